@@ -1,0 +1,246 @@
+"""The per-task loop: a continual run is a sequence of ordinary Trainer runs, one per task.
+
+For each task k of the stream:
+1. the methods' `on_task_start` hooks (they may change the model),
+2. the methods' `train_dataset` transforms (replay, joint),
+3. training with a fresh optimizer and schedule (`ContinualTrainer`),
+4. evaluation on the eval split of every task, seen and not yet seen (one row of the results matrix),
+5. the methods' `on_task_end` hooks (so the saved state is the state the next task starts from),
+6. a complete checkpoint in `output_dir/task-<k>/`: model, processor, method state, results so far.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+from transformers import CLIPProcessor, PreTrainedTokenizerBase, TrainingArguments
+
+from .data.collate import CLIPCollator
+from .data.task import CANONICAL_COLUMNS, TaskStream
+from .distributed import barrier, is_main_process
+from .evaluation.evaluator import evaluate_task
+from .evaluation.matrix import ResultsMatrix
+from .methods.base import ContinualMethod, TaskContext
+from .methods.state import save_method_states
+from .modeling import ContinualCLIPModel
+from .trainer import ContinualTrainer
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_STATE = "continual_state.json"
+# TrainingArguments the loop sets itself: a user value would break the run.
+MANAGED_TRAINING_ARGS = ("output_dir", "remove_unused_columns", "eval_strategy", "do_eval")
+
+
+@dataclass
+class ContinualArguments:
+    """How the stream is run; `training` holds `transformers.TrainingArguments` fields used for every task."""
+
+    output_dir: str = field(metadata={"help": "Run folder; each task's checkpoint goes to <output_dir>/task-<k>/."})
+    training: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "TrainingArguments fields for every task (epochs, batch size, lr, ...)."}
+    )
+    first_task_epochs: float | None = field(
+        default=None, metadata={"help": "Epochs for the first task (e.g. pretraining a random CLIP); None: as others."}
+    )
+    eval_batch_size: int = field(default=256, metadata={"help": "Batch size for embedding eval images and texts."})
+    max_length: int | None = field(
+        default=None, metadata={"help": "Token limit; None: the model's max_position_embeddings."}
+    )
+    seed: int = field(default=0, metadata={"help": "Base seed; task k trains with seed + k."})
+    evaluate_initial: bool = field(default=True, metadata={"help": "Evaluate the model before the first task."})
+    save_checkpoints: bool = field(default=True, metadata={"help": "Write output_dir/task-<k>/ after every task."})
+    progress: bool = field(default=True, metadata={"help": "Show progress bars for the stream and each task."})
+
+    def __post_init__(self) -> None:
+        validate_training_args(self.training)
+
+
+def validate_training_args(training: dict[str, Any]) -> None:
+    """Reject unknown or loop-managed TrainingArguments fields before any training starts."""
+    valid = {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
+    unknown = sorted(set(training) - valid)
+    if unknown:
+        raise ValueError(
+            f"Unknown training option(s) {unknown}; valid options are the fields of transformers.TrainingArguments, "
+            f"e.g. num_train_epochs, max_steps, per_device_train_batch_size, learning_rate, warmup_steps, weight_decay"
+        )
+    managed = sorted(set(training) & set(MANAGED_TRAINING_ARGS))
+    if managed:
+        raise ValueError(f"Training option(s) {managed} are set by hf_ccl itself; remove them from the config")
+
+
+def validate_stream(stream: TaskStream) -> None:
+    """Empty streams, empty tasks and non-canonical datasets fail here, before any training."""
+    if len(stream) == 0:
+        raise ValueError(f"Stream {stream.name!r} has no tasks")
+    for index, task in enumerate(stream):
+        for split_name, dataset in (("train", task.train), ("eval", task.eval)):
+            missing = [c for c in CANONICAL_COLUMNS if c not in dataset.column_names]
+            if missing:
+                raise ValueError(
+                    f"Stream {stream.name!r}, task {index} ({task.name!r}), {split_name} split: missing column(s) "
+                    f"{missing}; it has {dataset.column_names}. Build tasks with hf_ccl.data builders."
+                )
+            if len(dataset) == 0:
+                raise ValueError(f"Stream {stream.name!r}, task {index} ({task.name!r}): the {split_name} split is empty")
+
+
+class ContinualLearner:
+    """Train one model on a stream of tasks, one after another, and keep the task-by-task results matrix."""
+
+    def __init__(
+        self,
+        model: ContinualCLIPModel,
+        stream: TaskStream,
+        methods: list[ContinualMethod],
+        image_processor: Any,
+        tokenizer: PreTrainedTokenizerBase,
+        args: ContinualArguments,
+    ):
+        validate_stream(stream)
+        self.model = model
+        self.stream = stream
+        self.methods = methods
+        self.image_processor = image_processor
+        self.tokenizer = tokenizer
+        self.args = args
+        self.output_dir = Path(args.output_dir)
+        self.model.align_special_tokens(tokenizer)
+        self.results = ResultsMatrix(
+            task_names=stream.task_names, headline_metrics=[task.headline_metric for task in stream]
+        )
+
+    @property
+    def max_length(self) -> int:
+        limit = self.model.config.text_config.max_position_embeddings
+        return min(self.args.max_length or limit, limit)
+
+    # ----- the loop -----------------------------------------------------------------------------------------
+    def fit(self) -> ResultsMatrix:
+        """Run the whole stream; returns the results matrix (also saved in every checkpoint)."""
+        if self.args.evaluate_initial:
+            self.results.add_row("initial", self.evaluate())
+        bar = tqdm(total=len(self.stream), desc=f"stream {self.stream.name}", disable=not self.args.progress)
+        last_checkpoint: Path | None = None
+        for index, task in enumerate(self.stream):
+            bar.set_postfix_str(task.name)
+            context = TaskContext(
+                task_index=index,
+                task=task,
+                stream=self.stream,
+                model=self.model,
+                output_dir=self.output_dir,
+                seed=self.args.seed + index,
+                extras={"last_checkpoint": str(last_checkpoint) if last_checkpoint else None},
+            )
+            self._start_task(context)
+            self._train_task(context)
+            self.results.add_row(task.name, self.evaluate())
+            for method in self.methods:
+                method.on_task_end(context)
+            if self.args.save_checkpoints:
+                last_checkpoint = self.save_checkpoint(index)
+            bar.update(1)
+        bar.close()
+        return self.results
+
+    def _start_task(self, context: TaskContext) -> None:
+        for method in self.methods:
+            new_model = method.on_task_start(context)
+            if new_model is not None:
+                self.model = context.model = new_model
+
+    def _train_dataset(self, context: TaskContext):  # noqa: ANN202 (datasets.Dataset)
+        dataset = context.task.train
+        for method in self.methods:
+            dataset = method.train_dataset(context, dataset)
+        if len(dataset) == 0:
+            raise ValueError(f"Task {context.task_index} ({context.task.name!r}) has no training examples")
+        return dataset
+
+    def _training_arguments(self, context: TaskContext) -> TrainingArguments:
+        values: dict[str, Any] = {
+            "report_to": [],
+            "save_strategy": "no",
+            "logging_steps": 10,
+            "ddp_find_unused_parameters": False,
+            "dataloader_num_workers": 0,
+            **self.args.training,
+        }
+        if context.task_index == 0 and self.args.first_task_epochs is not None:
+            values["num_train_epochs"] = self.args.first_task_epochs
+            values.pop("max_steps", None)
+        values["seed"] = self.args.seed + context.task_index
+        values["disable_tqdm"] = not self.args.progress
+        return TrainingArguments(
+            output_dir=str(self.output_dir / "trainer" / f"task-{context.task_index}"),
+            remove_unused_columns=False,
+            eval_strategy="no",
+            **values,
+        )
+
+    def _train_task(self, context: TaskContext) -> None:
+        collator = CLIPCollator(
+            self.image_processor, self.tokenizer, max_length=self.max_length, train=True, seed=context.seed
+        )
+        trainer = ContinualTrainer(
+            model=self.model,
+            args=self._training_arguments(context),
+            train_dataset=self._train_dataset(context),
+            data_collator=collator,
+            methods=self.methods,
+            context=context,
+        )
+        trainer.train()
+        context.extras["log_history"] = trainer.state.log_history
+
+    # ----- evaluation and checkpoints ---------------------------------------------------------------------
+    def evaluate(self) -> dict[str, dict[str, float]]:
+        """Metrics of the current model on the eval split of every task (computed on the main process)."""
+        metrics: dict[str, dict[str, float]] = {}
+        if is_main_process():
+            for task in self.stream:
+                metrics[task.name] = evaluate_task(
+                    self.model,
+                    task,
+                    self.image_processor,
+                    self.tokenizer,
+                    batch_size=self.args.eval_batch_size,
+                    max_length=self.max_length,
+                )
+        barrier()
+        return metrics
+
+    def save_checkpoint(self, index: int) -> Path:
+        """Write `output_dir/task-<index>/` atomically (a `.partial` folder renamed at the end); main process only."""
+        final = self.output_dir / f"task-{index}"
+        if is_main_process():
+            partial = self.output_dir / f"task-{index}.partial"
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+            self.model.save_pretrained(partial)
+            CLIPProcessor(image_processor=self.image_processor, tokenizer=self.tokenizer).save_pretrained(partial)
+            save_method_states(self.methods, partial)
+            self.results.save(partial)
+            state = {
+                "task_index": index,
+                "task_name": self.stream[index].name,
+                "stream": self.stream.name,
+                "task_names": self.stream.task_names,
+                "methods": [method.name for method in self.methods],
+            }
+            (partial / CHECKPOINT_STATE).write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(partial, final)
+            self.results.save(self.output_dir)
+        barrier()
+        return final

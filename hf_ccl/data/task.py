@@ -1,0 +1,76 @@
+"""Tasks and task streams: the unit of a continual run.
+
+Every task holds two Hugging Face datasets (train and eval) in one canonical schema, whatever the source:
+
+| column     | type                          | meaning                                                          |
+|------------|-------------------------------|------------------------------------------------------------------|
+| `image`    | `datasets.Image(decode=False)`| the encoded image (bytes/path); decoded by the collator so that a |
+|            |                               | corrupt file raises an error naming dataset, split and row        |
+| `texts`    | `list[str]` (at least one)    | every caption of the image; for class-label tasks the label put   |
+|            |                               | through the task's training templates                             |
+| `image_id` | `str`                         | unique per image across the stream: `"<source>/<split>/<row>"`    |
+| `label`    | `int`                         | class index into `Task.class_names`, or -1 for captioned tasks    |
+
+Training samples one caption of `texts` per example and step; evaluation uses all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+from datasets import Dataset
+
+CANONICAL_COLUMNS = ("image", "texts", "image_id", "label")
+TaskKind = Literal["retrieval", "classification"]
+
+
+@dataclass
+class Task:
+    """One step of a continual stream.
+
+    `kind` says how the task is scored: captioned tasks by image-text retrieval (Recall@K), class-label tasks by
+    zero-shot classification over `class_names` with the prompt-template ensemble `eval_templates` (DESIGN.md:
+    caption-level retrieval is ill-defined when many captions are identical).
+    """
+
+    name: str
+    train: Dataset
+    eval: Dataset
+    kind: TaskKind = "retrieval"
+    class_names: list[str] | None = None
+    eval_templates: list[str] | None = None
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("retrieval", "classification"):
+            raise ValueError(f"Task {self.name!r}: kind must be 'retrieval' or 'classification', got {self.kind!r}")
+        if self.kind == "classification" and not self.class_names:
+            raise ValueError(f"Task {self.name!r}: a classification task needs class_names")
+
+    @property
+    def headline_metric(self) -> str:
+        """The metric placed in the results matrix for this task."""
+        return "R_mean" if self.kind == "retrieval" else "accuracy"
+
+
+@dataclass
+class TaskStream:
+    """An ordered list of tasks."""
+
+    name: str
+    tasks: list[Task] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def __iter__(self) -> Iterator[Task]:
+        return iter(self.tasks)
+
+    def __getitem__(self, index: int) -> Task:
+        return self.tasks[index]
+
+    @property
+    def task_names(self) -> list[str]:
+        return [task.name for task in self.tasks]

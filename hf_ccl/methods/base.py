@@ -1,0 +1,115 @@
+"""The method plugin interface: what a continual-learning method may change, and where (DESIGN.md, "The one idea").
+
+| hook                   | what it is for                                                         |
+|------------------------|------------------------------------------------------------------------|
+| `on_task_start`        | change the model before a task (vocabulary growth, adapters, heads)    |
+| `train_dataset`        | transform the data a task trains on (replay, joint training)           |
+| `loss_terms`           | extra named loss terms, added to the contrastive loss and logged       |
+| `pre_optimizer_step`   | edit gradients between backward and the optimizer step (projection)    |
+| `on_task_end`          | update method state after a task (teachers, Fisher, buffers)           |
+| `state_dict` / `load_state_dict` | what must survive a restart, saved beside each task checkpoint |
+
+Methods compose: a run holds a list of them and calls each hook of each, in order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from datasets import Dataset
+
+if TYPE_CHECKING:
+    from ..data.task import Task, TaskStream
+    from ..modeling import ContinualCLIPModel, ContinualCLIPOutput
+
+
+@dataclass
+class MethodConfig:
+    """Hyperparameters of a method; subclasses add fields, each with `metadata={"help": ...}`."""
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None, method_name: str = "") -> MethodConfig:
+        """Build from a plain dict, rejecting unknown keys with the list of valid ones."""
+        values = dict(values or {})
+        valid = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - valid)
+        if unknown:
+            raise ValueError(
+                f"Unknown option(s) {unknown} for method {method_name or cls.__name__}; "
+                f"valid options: {sorted(valid) or 'none'}"
+            )
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class TaskContext:
+    """What a hook knows about the run: the task, its place in the stream, and the model being trained."""
+
+    task_index: int
+    task: Task
+    stream: TaskStream
+    model: ContinualCLIPModel
+    output_dir: Path
+    seed: int = 0
+    global_step: int = 0
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def seen_tasks(self) -> list[Task]:
+        """Tasks trained so far, this one included."""
+        return self.stream.tasks[: self.task_index + 1]
+
+
+class ContinualMethod:
+    """Base class of every method: all hooks are no-ops, so a method overrides only what it changes."""
+
+    name: ClassVar[str] = ""
+    config_class: ClassVar[type[MethodConfig]] = MethodConfig
+
+    def __init__(self, config: MethodConfig | dict[str, Any] | None = None):
+        if config is None or isinstance(config, dict):
+            config = self.config_class.from_dict(config, self.name)
+        if not isinstance(config, self.config_class):
+            raise TypeError(f"Method {self.name!r} expects a {self.config_class.__name__}, got {type(config).__name__}")
+        self.config = config
+
+    def on_task_start(self, context: TaskContext) -> ContinualCLIPModel | None:
+        """Called before a task trains; return a new model to replace `context.model`, or None."""
+        return None
+
+    def train_dataset(self, context: TaskContext, dataset: Dataset) -> Dataset:
+        """The dataset this task trains on (default: the task's own train split)."""
+        return dataset
+
+    def loss_terms(
+        self,
+        model: ContinualCLIPModel,
+        inputs: dict[str, torch.Tensor],
+        outputs: ContinualCLIPOutput,
+        context: TaskContext,
+    ) -> dict[str, torch.Tensor]:
+        """Extra loss terms, already weighted; the total loss is the contrastive loss plus their sum."""
+        return {}
+
+    def pre_optimizer_step(self, model: ContinualCLIPModel, context: TaskContext) -> None:
+        """Edit `p.grad` of the model's parameters before the optimizer steps (after clipping)."""
+
+    def on_task_end(self, context: TaskContext) -> None:
+        """Called after a task has trained and been evaluated, before its checkpoint is written."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume: tensors (saved as safetensors) and JSON-serialisable values."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config})"

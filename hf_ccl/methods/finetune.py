@@ -1,0 +1,13 @@
+"""Sequential fine-tuning: train on each task in turn with the contrastive loss alone (the lower bound)."""
+
+from __future__ import annotations
+
+from .base import ContinualMethod
+from .registry import register_method
+
+
+@register_method
+class Finetune(ContinualMethod):
+    """Plain sequential fine-tuning: every hook is the base class's no-op."""
+
+    name = "finetune"

@@ -1,0 +1,105 @@
+"""`ContinualTrainer`: a `transformers.Trainer` whose loss is the global contrastive loss plus the methods' terms.
+
+One Trainer trains one task (fresh optimizer and schedule); `hf_ccl.continual.ContinualLearner` drives the stream.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback
+
+from .methods.base import ContinualMethod, TaskContext
+
+CONTRASTIVE_TERM = "contrastive"
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss became NaN or infinite; the message names the task, the step and the terms."""
+
+
+class MethodHooksCallback(TrainerCallback):
+    """Calls each method's `pre_optimizer_step` between backward (after clipping) and `optimizer.step()`."""
+
+    def __init__(self, trainer: ContinualTrainer):
+        self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):  # noqa: ANN001 (Trainer callback protocol)
+        trainer = self.trainer
+        model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+        if trainer.context is not None:
+            trainer.context.global_step = state.global_step
+        for method in trainer.methods:
+            method.pre_optimizer_step(model, trainer.context)
+        return control
+
+
+class ContinualTrainer(Trainer):
+    """Trainer for one task of a continual stream.
+
+    `compute_loss` returns `contrastive + sum(method terms)`; each term is averaged over the logging window and
+    logged as `loss/<name>`. A NaN or infinite loss stops training with `NonFiniteLossError`.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        methods: Sequence[ContinualMethod] = (),
+        context: TaskContext | None = None,
+        **kwargs: Any,
+    ):
+        super().__init__(*args, **kwargs)
+        self.methods = list(methods)
+        self.context = context
+        # Our loss is a per-batch mean, not normalised by `num_items_in_batch`: let the Trainer scale it for
+        # gradient accumulation and never multiply it by the number of processes.
+        self.model_accepts_loss_kwargs = False
+        self._term_sums: dict[str, float] = defaultdict(float)
+        self._term_count = 0
+        self.add_callback(MethodHooksCallback(self))
+
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, torch.Tensor],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        outputs = model(**inputs, return_loss=True)
+        terms = {CONTRASTIVE_TERM: outputs.loss}
+        if self.methods:
+            unwrapped = self.accelerator.unwrap_model(model)
+            for method in self.methods:
+                for name, value in method.loss_terms(unwrapped, inputs, outputs, self.context).items():
+                    terms[f"{method.name}/{name}"] = value
+        loss = torch.stack([term.float() for term in terms.values()]).sum()
+        self._check_finite(loss, terms)
+        if model.training:
+            for name, value in terms.items():
+                self._term_sums[name] += float(value.detach())
+            self._term_count += 1
+        return (loss, outputs) if return_outputs else loss
+
+    def _check_finite(self, loss: torch.Tensor, terms: dict[str, torch.Tensor]) -> None:
+        if torch.isfinite(loss):
+            return
+        where = f"step {self.state.global_step + 1}"
+        if self.context is not None:
+            where = f"task {self.context.task_index} ({self.context.task.name!r}), {where}"
+            last = self.context.extras.get("last_checkpoint")
+            where += f"; the last good checkpoint is kept at {last}" if last else "; no checkpoint was written yet"
+        values = ", ".join(f"{name}={float(value.detach()):.4g}" for name, value in terms.items())
+        raise NonFiniteLossError(f"Non-finite loss at {where}. Loss terms: {values}")
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self._term_count and "loss" in logs:
+            for name, total in self._term_sums.items():
+                mean = total / self._term_count
+                logs[f"loss/{name}"] = round(mean, 6) if math.isfinite(mean) else mean
+            self._term_sums.clear()
+            self._term_count = 0
+        super().log(logs, start_time)
