@@ -19,7 +19,7 @@ def _default_training() -> dict[str, Any]:
         "per_device_train_batch_size": 64,
         "learning_rate": 5e-4,
         "weight_decay": 0.1,
-        "warmup_ratio": 0.1,
+        "warmup_steps": 0.1,
         "lr_scheduler_type": "cosine",
         "logging_steps": 10,
     }
@@ -86,7 +86,13 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key = key.strip().lstrip("-")
     if not sep or not key:
         raise ValueError(f"Override {text!r} is not of the form key=value (e.g. training.num_train_epochs=2)")
-    return key.split("."), yaml.safe_load(value) if value.strip() else None
+    parsed = yaml.safe_load(value) if value.strip() else None
+    if isinstance(parsed, str):  # YAML 1.1 reads "1e-3" as a string
+        try:
+            parsed = float(parsed)
+        except ValueError:
+            pass
+    return key.split("."), parsed
 
 
 def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

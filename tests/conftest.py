@@ -1,0 +1,33 @@
+"""Shared fixtures: the real CLIP tokenizer, a PIL image processor, tiny random CLIPs."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer, CLIPImageProcessorPil
+
+from hf_ccl.testing import tiny_clip
+from hf_ccl.paths import data_root, default_tokenizer_path
+
+
+@pytest.fixture(scope="session")
+def clip_tokenizer():
+    path = default_tokenizer_path()
+    assert path.is_dir(), f"the real CLIP tokenizer is expected at {path} (set HF_CCL_SHARED)"
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+@pytest.fixture(scope="session")
+def image_processor():
+    return CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+
+
+@pytest.fixture(scope="session")
+def shared_data_root():
+    root = data_root()
+    assert root.is_dir(), f"the bundled datasets are expected at {root} (set HF_CCL_DATA_ROOT)"
+    return root
+
+
+@pytest.fixture
+def tiny_model():
+    return tiny_clip(seed=0)

@@ -1,0 +1,91 @@
+"""Run under `accelerate launch --multi_gpu --num_processes 2` (gloo, CPU) by tests/test_distributed.py.
+
+1. The global-batch loss on 2 processes (each holding half the batch) equals the one-process loss on the whole batch,
+   and so do the gradients after DDP-style averaging.
+2. A 2-task continual run with ContinualTrainer leaves identical parameters on both ranks.
+Writes `rank<r>.json` into the folder given as the first argument.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from accelerate import PartialState
+
+from hf_ccl.continual import ContinualArguments, ContinualLearner
+from hf_ccl.data.collate import load_image_processor, load_tokenizer
+from hf_ccl.data.named import build_stream
+from hf_ccl.losses import clip_contrastive_loss
+from hf_ccl.methods import build_methods
+from hf_ccl.testing import tiny_clip
+
+TEXTS = ["a photo of a cat", "a dog", "two birds", "a red car", "a photo of a cat", "a boat", "a tree", "the sea"]
+
+
+def global_batch_check(tokenizer, rank: int, world: int) -> dict:
+    model = tiny_clip(seed=0)
+    model.align_special_tokens(tokenizer)
+    encoding = tokenizer(TEXTS, padding=True, return_tensors="pt")
+    torch.manual_seed(123)
+    pixels = torch.randn(len(TEXTS), 3, 32, 32)
+    text_hash = torch.tensor([hash(t) % 1000 for t in TEXTS])
+    image_hash = torch.arange(len(TEXTS))
+    # One process, whole batch (no gather involved).
+    reference = model(
+        input_ids=encoding.input_ids, attention_mask=encoding.attention_mask, pixel_values=pixels,
+        return_loss=True, text_hash=text_hash, image_hash=image_hash,
+    )
+    logits = model.logit_scale.exp() * reference.image_embeds @ reference.text_embeds.t()
+    assert torch.allclose(reference.loss, clip_contrastive_loss(logits, reference.global_positive_mask))
+    reference.loss.backward()
+    reference_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    # This process's half, gathered across processes.
+    part = slice(rank * len(TEXTS) // world, (rank + 1) * len(TEXTS) // world)
+    local = model(
+        input_ids=encoding.input_ids[part], attention_mask=encoding.attention_mask[part], pixel_values=pixels[part],
+        return_loss=True, text_hash=text_hash[part], image_hash=image_hash[part],
+    )
+    local.loss.backward()
+    max_grad_diff = 0.0
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            continue
+        grad = param.grad.clone()
+        dist.all_reduce(grad)
+        grad /= world  # what DDP does
+        max_grad_diff = max(max_grad_diff, (grad - reference_grads[name]).abs().max().item())
+    return {"reference_loss": reference.loss.item(), "distributed_loss": local.loss.item(), "max_grad_diff": max_grad_diff}
+
+
+def continual_run(tokenizer, output_dir: Path) -> dict:
+    stream = build_stream("digits", max_train_per_task=128, max_eval_per_task=40)
+    stream.tasks = stream.tasks[:2]
+    model = tiny_clip(seed=0)
+    args = ContinualArguments(
+        output_dir=str(output_dir / "run"),
+        training={"max_steps": 4, "per_device_train_batch_size": 16, "learning_rate": 1e-3, "logging_steps": 1},
+        progress=False,
+    )
+    learner = ContinualLearner(model, stream, build_methods(["finetune"]), load_image_processor(32), tokenizer, args)
+    results = learner.fit()
+    params = torch.cat([p.detach().flatten() for p in learner.model.parameters()])
+    return {"param_sum": params.double().sum().item(), "param_abs_sum": params.double().abs().sum().item(),
+            "rows": results.num_trained}
+
+
+def main() -> None:
+    output_dir = Path(sys.argv[1])
+    state = PartialState(cpu=True)
+    rank, world = state.process_index, state.num_processes
+    tokenizer = load_tokenizer()
+    report = {"world_size": world, **global_batch_check(tokenizer, rank, world), **continual_run(tokenizer, output_dir)}
+    (output_dir / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
