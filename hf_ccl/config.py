@@ -15,9 +15,9 @@ from .modeling import tiny_clip_config
 
 def _default_training() -> dict[str, Any]:
     return {
-        "num_train_epochs": 3,
+        "num_train_epochs": 8,
         "per_device_train_batch_size": 64,
-        "learning_rate": 5e-4,
+        "learning_rate": 1e-3,
         "weight_decay": 0.1,
         "warmup_steps": 0.1,
         "lr_scheduler_type": "cosine",

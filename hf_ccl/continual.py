@@ -229,6 +229,7 @@ class ContinualLearner:
             partial.mkdir(parents=True)
             self.model.save_pretrained(partial)
             CLIPProcessor(image_processor=self.image_processor, tokenizer=self.tokenizer).save_pretrained(partial)
+            self.image_processor.save_pretrained(partial)  # preprocessor_config.json too, for older transformers
             save_method_states(self.methods, partial)
             self.results.save(partial)
             state = {

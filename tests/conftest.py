@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer, CLIPImageProcessorPil
 
-from hf_ccl.testing import tiny_clip
 from hf_ccl.paths import data_root, default_tokenizer_path
+from hf_ccl.testing import tiny_clip
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,149 @@
+"""Framework overhead: time per training step of hf_ccl `finetune` (ContinualTrainer) vs a plain PyTorch loop.
+
+Same model (same init), same data (the first task of the `digits` stream), same collator, batch size, optimizer
+(AdamW) and schedule; both time the whole step including data loading. The two run alternately in rounds within one
+process so that machine load affects both alike; the table reports the median step time of each and their ratio.
+
+    python benchmarks/framework_overhead.py [--steps 60] [--rounds 3] [--sizes tiny,default]
+
+Writes benchmarks/results/framework_overhead.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+from transformers import TrainerCallback, TrainingArguments, get_cosine_schedule_with_warmup
+
+from hf_ccl.data import CLIPCollator, build_stream, load_image_processor, load_tokenizer
+from hf_ccl.methods import build_methods
+from hf_ccl.modeling import ContinualCLIPModel, tiny_clip_config
+from hf_ccl.trainer import ContinualTrainer
+
+SIZES = {
+    "tiny": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "image_size": 32, "patch_size": 8, "projection_dim": 32},
+    "default": {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "image_size": 32, "patch_size": 8, "projection_dim": 64},
+    "medium": {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "image_size": 32, "patch_size": 4, "projection_dim": 128},
+}
+BATCH_SIZE = 64
+LEARNING_RATE = 1e-3
+WARMUP = 5  # steps dropped from each measurement
+
+
+class StepTimer(TrainerCallback):
+    """Records the wall time between consecutive optimizer steps."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001
+        self.stamps.append(time.perf_counter())
+
+
+def _model(size: str) -> ContinualCLIPModel:
+    torch.manual_seed(0)
+    return ContinualCLIPModel(tiny_clip_config(**SIZES[size]))
+
+
+def _step_times(stamps: list[float]) -> list[float]:
+    return [b - a for a, b in zip(stamps[WARMUP:-1], stamps[WARMUP + 1 :], strict=True)]
+
+
+def time_plain_loop(size: str, dataset, collator, tokenizer, steps: int) -> list[float]:
+    """A plain PyTorch loop: DataLoader, forward with the CLIP loss, backward, clip, AdamW, cosine schedule."""
+    model = _model(size)
+    model.align_special_tokens(tokenizer)
+    model.train()
+    loader = DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=True, collate_fn=collator, drop_last=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.1)
+    schedule = get_cosine_schedule_with_warmup(optimizer, 0, steps)
+    stamps: list[float] = []
+    while len(stamps) < steps:
+        for batch in loader:
+            loss = model(**batch, return_loss=True).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad()
+            stamps.append(time.perf_counter())
+            if len(stamps) >= steps:
+                break
+    return _step_times(stamps)
+
+
+def time_hf_ccl(size: str, dataset, collator, tokenizer, steps: int, output_dir: str) -> list[float]:
+    """hf_ccl's ContinualTrainer with the `finetune` method, as the per-task loop configures it."""
+    model = _model(size)
+    model.align_special_tokens(tokenizer)
+    timer = StepTimer()
+    args = TrainingArguments(
+        output_dir=output_dir, max_steps=steps, per_device_train_batch_size=BATCH_SIZE, learning_rate=LEARNING_RATE,
+        weight_decay=0.1, lr_scheduler_type="cosine", logging_steps=10, report_to=[], save_strategy="no",
+        remove_unused_columns=False, disable_tqdm=True, dataloader_num_workers=0,
+    )
+    trainer = ContinualTrainer(
+        model=model, args=args, train_dataset=dataset, data_collator=collator, methods=build_methods(["finetune"]),
+        callbacks=[timer],
+    )
+    trainer.train()
+    return _step_times(timer.stamps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--sizes", default="tiny,default,medium")
+    parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "framework_overhead.md"))
+    args = parser.parse_args()
+
+    torch.set_num_threads(torch.get_num_threads())
+    stream = build_stream("digits")
+    dataset = stream[0].train
+    tokenizer = load_tokenizer()
+    rows = []
+    for size in args.sizes.split(","):
+        collator = CLIPCollator(load_image_processor(SIZES[size]["image_size"]), tokenizer, train=True, seed=0)
+        plain: list[float] = []
+        ours: list[float] = []
+        for _ in range(args.rounds):
+            plain += time_plain_loop(size, dataset, collator, tokenizer, args.steps)
+            ours += time_hf_ccl(size, dataset, collator, tokenizer, args.steps, "/tmp/hf_ccl_bench")
+        plain_median, ours_median = statistics.median(plain), statistics.median(ours)
+        rows.append((size, plain_median, ours_median, ours_median / plain_median, len(plain), len(ours)))
+        print(f"{size}: plain {plain_median * 1e3:.1f} ms/step, hf_ccl {ours_median * 1e3:.1f} ms/step, "
+              f"ratio {ours_median / plain_median:.3f}")
+
+    lines = [
+        "# Framework overhead: hf_ccl `finetune` vs a plain PyTorch loop",
+        "",
+        f"Command: `python benchmarks/framework_overhead.py --steps {args.steps} --rounds {args.rounds} "
+        f"--sizes {args.sizes}`  ",
+        f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}.  ",
+        f"Data: first task of `digits` ({len(dataset)} examples), batch {BATCH_SIZE}, AdamW lr {LEARNING_RATE}, "
+        f"both loops time whole steps (data loading included); first {WARMUP} steps of each run dropped; "
+        f"runs alternate plain / hf_ccl in {args.rounds} rounds in one process. Goal: ratio at most 1.10.",
+        "",
+        "| model | params | plain loop (ms/step, median) | hf_ccl finetune (ms/step, median) | ratio | steps timed (plain / hf_ccl) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for size, plain_median, ours_median, ratio, n_plain, n_ours in rows:
+        params = sum(p.numel() for p in _model(size).parameters()) / 1e6
+        lines.append(
+            f"| {size} ({SIZES[size]['hidden_size']} wide, {SIZES[size]['num_layers']} layers) | {params:.2f} M | "
+            f"{plain_median * 1e3:.1f} | {ours_median * 1e3:.1f} | {ratio:.3f} | {n_plain} / {n_ours} |"
+        )
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

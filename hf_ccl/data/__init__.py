@@ -1,0 +1,53 @@
+"""Task streams from Hugging Face datasets, named benchmark streams, and the CLIP collator."""
+
+from .builders import (
+    CANONICAL_FEATURES,
+    TaskSource,
+    TextSpec,
+    check_columns,
+    load_split,
+    resolve_class_names,
+    stream_by_class,
+    stream_by_column,
+    stream_from_datasets,
+    stream_random_split,
+    to_canonical,
+    validate_images,
+)
+from .collate import CLIPCollator, load_image_processor, load_tokenizer, stable_hash
+from .images import CorruptImageError, decode_image
+from .named import DIGIT_CLASS_NAMES, NAMED_STREAMS, build_stream, describe_streams, digits_dataset
+from .task import CANONICAL_COLUMNS, Task, TaskKind, TaskStream
+from .templates import benchmark_templates, format_template
+
+__all__ = [
+    "CANONICAL_COLUMNS",
+    "CANONICAL_FEATURES",
+    "CLIPCollator",
+    "CorruptImageError",
+    "DIGIT_CLASS_NAMES",
+    "NAMED_STREAMS",
+    "Task",
+    "TaskKind",
+    "TaskSource",
+    "TaskStream",
+    "TextSpec",
+    "benchmark_templates",
+    "build_stream",
+    "check_columns",
+    "decode_image",
+    "describe_streams",
+    "digits_dataset",
+    "format_template",
+    "load_image_processor",
+    "load_split",
+    "load_tokenizer",
+    "resolve_class_names",
+    "stable_hash",
+    "stream_by_class",
+    "stream_by_column",
+    "stream_from_datasets",
+    "stream_random_split",
+    "to_canonical",
+    "validate_images",
+]

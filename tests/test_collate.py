@@ -1,0 +1,137 @@
+"""CLIPCollator on real Flickr8k rows with the real CLIP tokenizer."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+from datasets import Dataset, Features, Image, List, Value
+
+from hf_ccl.data import (
+    CLIPCollator,
+    CorruptImageError,
+    load_image_processor,
+    load_tokenizer,
+    stable_hash,
+    to_canonical,
+)
+from hf_ccl.data.builders import load_split
+
+EOS, BOS = 49407, 49406
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def processor():
+    return load_image_processor(32)
+
+
+@pytest.fixture(scope="module")
+def rows(shared_data_root) -> list[dict]:
+    raw = load_split(shared_data_root / "flickr8k", "test")
+    canonical = to_canonical(raw, source="flickr8k", split="test", text_column="en", indices=range(6))
+    return [canonical[i] for i in range(len(canonical))]
+
+
+def test_loaders(tokenizer, processor) -> None:
+    assert tokenizer("a photo of a cat")["input_ids"] == [BOS, 320, 1125, 539, 320, 2368, EOS]
+    assert type(processor).__name__ == "CLIPImageProcessorPil"
+    assert processor.crop_size == {"height": 32, "width": 32} and processor.size == {"shortest_edge": 32}
+
+
+def test_batch_shapes_and_dtypes(tokenizer, processor, rows) -> None:
+    batch = CLIPCollator(processor, tokenizer)(rows)
+    assert set(batch) == {"pixel_values", "input_ids", "attention_mask", "text_hash", "image_hash"}
+    assert batch["pixel_values"].shape == (6, 3, 32, 32) and batch["pixel_values"].dtype == torch.float32
+    assert batch["input_ids"].shape == batch["attention_mask"].shape
+    assert batch["input_ids"].shape[0] == 6 and batch["input_ids"].shape[1] <= 77
+    assert batch["attention_mask"].sum(1).max() == batch["input_ids"].shape[1], "padding is to the longest"
+    assert (batch["input_ids"][:, 0] == BOS).all()
+    assert batch["text_hash"].dtype == torch.int64 and batch["image_hash"].dtype == torch.int64
+    assert batch["image_hash"].tolist() == [stable_hash(row["image_id"]) for row in rows]
+
+
+def test_truncation_to_max_length(tokenizer, processor, rows) -> None:
+    long_row = dict(rows[0], texts=["a very long caption about a dog " * 40])
+    assert CLIPCollator(processor, tokenizer).max_length == 77
+    batch = CLIPCollator(processor, tokenizer, train=False)([long_row, rows[1]])
+    assert batch["input_ids"].shape == (2, 77) and batch["input_ids"][0, -1] == EOS
+    short = CLIPCollator(processor, tokenizer, max_length=12, train=False)([long_row, rows[1]])
+    assert short["input_ids"].shape == (2, 12)
+    assert short["input_ids"][0, -1] == EOS and short["attention_mask"][0].all()
+
+
+def test_huge_model_max_length_is_clamped(tokenizer, processor) -> None:
+    class Unlimited:
+        model_max_length = int(1e30)
+
+    assert CLIPCollator(processor, Unlimited()).max_length == 77
+
+
+def test_train_sampling_is_seeded_and_varies(tokenizer, processor, rows) -> None:
+    def draws(seed: int) -> list[list[str]]:
+        collator = CLIPCollator(processor, tokenizer, seed=seed)
+        return [collator.choose_texts(rows) for _ in range(10)]
+
+    first = draws(3)
+    assert draws(3) == first
+    assert draws(4) != first
+    chosen_for_row0 = {batch[0] for batch in first}
+    assert len(chosen_for_row0) > 1 and chosen_for_row0 <= set(rows[0]["texts"])
+
+
+def test_eval_takes_first_caption(tokenizer, processor, rows) -> None:
+    collator = CLIPCollator(processor, tokenizer, train=False)
+    for _ in range(3):
+        assert collator.choose_texts(rows) == [row["texts"][0] for row in rows]
+    batch = collator(rows)
+    expected = tokenizer(rows[2]["texts"][0])["input_ids"]
+    assert batch["input_ids"][2, : len(expected)].tolist() == expected
+
+
+def test_hashes_mark_equal_texts(tokenizer, processor, rows) -> None:
+    same = [
+        dict(rows[0], texts=["a photo of a dog."]),
+        dict(rows[1], texts=["a photo of a dog."]),
+        dict(rows[2], texts=["a photo of a cat."]),
+    ]
+    batch = CLIPCollator(processor, tokenizer)(same)
+    text_hash, image_hash = batch["text_hash"].tolist(), batch["image_hash"].tolist()
+    assert text_hash[0] == text_hash[1] != text_hash[2]
+    assert len(set(image_hash)) == 3
+    digest = hashlib.blake2b(b"a photo of a dog.", digest_size=8).digest()
+    assert stable_hash("a photo of a dog.") == int.from_bytes(digest, "little", signed=True) == text_hash[0]
+
+
+def test_corrupt_image_names_the_row(tokenizer, processor, rows) -> None:
+    broken = Dataset.from_dict(
+        {
+            "image": [{"bytes": b"garbage", "path": None}],
+            "texts": [["x"]],
+            "image_id": ["toy/train/7"],
+            "label": [-1],
+        },
+        features=Features(
+            {
+                "image": Image(decode=False),
+                "texts": List(Value("string")),
+                "image_id": Value("string"),
+                "label": Value("int64"),
+            }
+        ),
+    )
+    with pytest.raises(CorruptImageError, match="toy/train/7"):
+        CLIPCollator(processor, tokenizer)([rows[0], broken[0]])
+
+
+def test_works_as_dataloader_collate_fn(tokenizer, processor, shared_data_root) -> None:
+    raw = load_split(shared_data_root / "pacs", "test")
+    data = to_canonical(raw, source="pacs", split="test", label_column="label", indices=range(10))
+    loader = torch.utils.data.DataLoader(data, batch_size=4, collate_fn=CLIPCollator(processor, tokenizer))
+    batches = list(loader)
+    assert [b["pixel_values"].shape[0] for b in batches] == [4, 4, 2]
