@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 from transformers import CLIPProcessor, PreTrainedTokenizerBase, TrainingArguments
 
@@ -174,6 +175,7 @@ class ContinualLearner:
             "logging_steps": 10,
             "ddp_find_unused_parameters": False,
             "dataloader_num_workers": 0,
+            "dataloader_pin_memory": torch.cuda.is_available(),
             **self.args.training,
         }
         if context.task_index == 0 and self.args.first_task_epochs is not None:

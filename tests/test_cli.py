@@ -1,0 +1,33 @@
+"""The recipe entry points: `hf-ccl list`, and a short default run that prints the results matrix."""
+
+import json
+
+import pytest
+
+from hf_ccl.cli import main
+
+
+def test_list_names_streams_and_methods(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "digits" in out and "flickr8k-random5" in out and "finetune" in out and "joint" in out
+
+
+def test_short_default_run_prints_matrix(tmp_path, capsys):
+    overrides = [
+        f"output_dir={tmp_path}", "progress=false", "training.max_steps=3", "training.per_device_train_batch_size=16",
+        "stream_args.max_train_per_task=48", "stream_args.max_eval_per_task=20", "methods=[joint]",
+        "model.config.hidden_size=32", "model.config.num_layers=1",
+    ]
+    assert main(["train", "--config", "recipes/configs/digits.yaml", *overrides]) == 0
+    out = capsys.readouterr().out
+    assert "| after digits-89 |" in out and "forgetting" in out
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert len(saved["rows"]) == 5
+    assert (tmp_path / "run_config.yaml").exists() and (tmp_path / "task-4" / "model.safetensors").exists()
+
+
+def test_bad_override_fails_before_training(tmp_path):
+    with pytest.raises(ValueError, match="valid methods"):
+        main(["train", "--config", "recipes/configs/digits.yaml", f"output_dir={tmp_path}", "methods=[nope]"])
+    assert not (tmp_path / "task-0").exists()
