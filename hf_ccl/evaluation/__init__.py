@@ -1,0 +1,53 @@
+"""Evaluation: Recall@K, zero-shot accuracy, the task-by-task results matrix and continual-learning metrics."""
+
+from .continual_metrics import (
+    average_incremental,
+    backward_transfer,
+    final_average,
+    forgetting,
+    forward_transfer,
+    summarize,
+    tic_backward,
+    tic_forward,
+    tic_in_domain,
+    tic_relative_backward,
+    tic_relative_forward,
+)
+from .encode import encode_images, encode_texts
+from .evaluator import evaluate_stream, evaluate_task
+from .matrix import ResultsMatrix, ResultsRow
+from .plots import plot_matrix_heatmap
+from .retrieval import (
+    captions_to_text_to_image,
+    image_to_text_ranks,
+    recall_at_k,
+    text_to_image_ranks,
+)
+from .zeroshot import zero_shot_accuracy, zero_shot_classifier
+
+__all__ = [
+    "ResultsMatrix",
+    "ResultsRow",
+    "average_incremental",
+    "backward_transfer",
+    "captions_to_text_to_image",
+    "encode_images",
+    "encode_texts",
+    "evaluate_stream",
+    "evaluate_task",
+    "final_average",
+    "forgetting",
+    "forward_transfer",
+    "image_to_text_ranks",
+    "plot_matrix_heatmap",
+    "recall_at_k",
+    "summarize",
+    "text_to_image_ranks",
+    "tic_backward",
+    "tic_forward",
+    "tic_in_domain",
+    "tic_relative_backward",
+    "tic_relative_forward",
+    "zero_shot_accuracy",
+    "zero_shot_classifier",
+]

@@ -1,0 +1,186 @@
+"""Continual-learning summaries of a task-by-task results matrix.
+
+Notation: `R[i, j]` is the metric on task j's eval set after training on task i (0-based, T x T, higher is better);
+`b[j]` is the score of the model before any continual training (the initial or "pretrained" model) on task j.
+
+Conventions:
+- NaN cells propagate: a summary that reads a NaN cell is NaN.
+- With T = 1 every metric that compares two training steps (forgetting, backward/forward transfer and the TiC
+  triangle metrics) is NaN; `summarize` keeps those keys (with NaN) so that its keys do not depend on T.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+ArrayLike = np.ndarray | Sequence[Sequence[float]]
+NAN = float("nan")
+
+
+def as_square(R: ArrayLike) -> np.ndarray:
+    """`R` as a float array of shape (T, T), T >= 1."""
+    matrix = np.asarray(R, dtype=float)
+    if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1] or matrix.shape[0] == 0:
+        raise ValueError(f"results matrix must be square T x T with T >= 1, got shape {matrix.shape}")
+    return matrix
+
+
+def _as_baseline(b: np.ndarray | Sequence[float], T: int) -> np.ndarray:
+    baseline = np.asarray(b, dtype=float).reshape(-1)
+    if baseline.shape != (T,):
+        raise ValueError(f"initial scores b must have length {T}, got {baseline.shape[0]}")
+    return baseline
+
+
+def final_average(R: ArrayLike) -> float:
+    """Average performance after the last task: (1/T) Σ_j R[T-1, j].
+
+    The headline of most CL papers (CTP Tab. 1 "final performance"; TiC-CLIP Tab. 2 for static tasks).
+    """
+    matrix = as_square(R)
+    return float(matrix[-1].mean())
+
+
+def average_incremental(R: ArrayLike) -> float:
+    """Average incremental performance: (1/T) Σ_i [ (1/(i+1)) Σ_{j<=i} R[i, j] ].
+
+    The mean over steps of the average on the tasks seen so far (CLL-CLIP's Average Recall AR_j averaged over j;
+    CTP's "average incremental performance"; Rebuffi et al. 2017, iCaRL).
+    """
+    matrix = as_square(R)
+    seen_means = [matrix[i, : i + 1].mean() for i in range(matrix.shape[0])]
+    return float(np.mean(seen_means))
+
+
+def forgetting(R: ArrayLike) -> float:
+    """Average forgetting: (1/(T-1)) Σ_{j<T-1} max_{i∈[j, T-2]} (R[i, j] − R[T-1, j]).
+
+    Chaudhry et al. 2018, "Riemannian Walk for Incremental Learning" (ECCV); the definition of the CTP spec
+    (specs/ctp.md) and CLL-CLIP's F_T (specs/cllclip.md section 7, max over steps after task j was learned).
+    Higher means more forgetting; negative values mean the old tasks improved. NaN when T = 1.
+    """
+    matrix = as_square(R)
+    T = matrix.shape[0]
+    if T < 2:
+        return NAN
+    drops = [matrix[j : T - 1, j].max() - matrix[T - 1, j] for j in range(T - 1)]
+    return float(np.mean(drops))
+
+
+def backward_transfer(R: ArrayLike) -> float:
+    """Backward transfer: (1/(T-1)) Σ_{j<T-1} (R[T-1, j] − R[j, j]).
+
+    Lopez-Paz & Ranzato 2017, "Gradient Episodic Memory for Continual Learning" (NeurIPS), BWT.
+    Negative values mean forgetting. NaN when T = 1.
+    """
+    matrix = as_square(R)
+    T = matrix.shape[0]
+    if T < 2:
+        return NAN
+    return float(np.mean([matrix[T - 1, j] - matrix[j, j] for j in range(T - 1)]))
+
+
+def forward_transfer(R: ArrayLike, b: np.ndarray | Sequence[float]) -> float:
+    """Forward transfer: (1/(T-1)) Σ_{j>=1} (R[j-1, j] − b[j]), with b the initial model's scores.
+
+    Lopez-Paz & Ranzato 2017, "Gradient Episodic Memory for Continual Learning" (NeurIPS), FWT: how much training
+    on the tasks before j helps task j before it is trained on. NaN when T = 1.
+    """
+    matrix = as_square(R)
+    T = matrix.shape[0]
+    baseline = _as_baseline(b, T)
+    if T < 2:
+        return NAN
+    return float(np.mean([matrix[j - 1, j] - baseline[j] for j in range(1, T)]))
+
+
+def _triangle_divisor(T: int) -> float:
+    return T * (T - 1) / 2
+
+
+def tic_in_domain(R: ArrayLike) -> float:
+    """TiC-CLIP in-domain performance: ID = (1/T) Σ_i R[i, i].
+
+    Garg et al. 2024, "TiC-CLIP: Continual Training of CLIP Models" (ICLR), §2.2 and App. F (specs/ticclip.md §3).
+    """
+    matrix = as_square(R)
+    return float(np.trace(matrix) / matrix.shape[0])
+
+
+def tic_backward(R: ArrayLike) -> float:
+    """TiC-CLIP backward transfer: BWT = Σ_{i>j} R[i, j] / (T(T−1)/2), the flat mean of the strict lower triangle.
+
+    Garg et al. 2024 (TiC-CLIP), App. F (specs/ticclip.md §3). A score level, not a difference. NaN when T = 1.
+    """
+    matrix = as_square(R)
+    T = matrix.shape[0]
+    if T < 2:
+        return NAN
+    return float(matrix[np.tril_indices(T, k=-1)].sum() / _triangle_divisor(T))
+
+
+def tic_forward(R: ArrayLike) -> float:
+    """TiC-CLIP forward transfer: FWT = Σ_{i<j} R[i, j] / (T(T−1)/2), the flat mean of the strict upper triangle.
+
+    Garg et al. 2024 (TiC-CLIP), App. F (specs/ticclip.md §3). NaN when T = 1.
+    """
+    matrix = as_square(R)
+    T = matrix.shape[0]
+    if T < 2:
+        return NAN
+    return float(matrix[np.triu_indices(T, k=1)].sum() / _triangle_divisor(T))
+
+
+def tic_relative_backward(R: ArrayLike) -> float:
+    """TiC-CLIP relative BWT: Σ_{i>j} (R[i, j] − R[i, i]) / (T(T−1)/2), each row minus its own diagonal.
+
+    Garg et al. 2024 (TiC-CLIP), App. F, Tab. 20 (specs/ticclip.md §3). NaN when T = 1.
+    """
+    matrix = as_square(R)
+    T = matrix.shape[0]
+    if T < 2:
+        return NAN
+    rows, cols = np.tril_indices(T, k=-1)
+    return float((matrix[rows, cols] - matrix[rows, rows]).sum() / _triangle_divisor(T))
+
+
+def tic_relative_forward(R: ArrayLike) -> float:
+    """TiC-CLIP relative FWT: Σ_{i<j} (R[i, j] − R[i, i]) / (T(T−1)/2), each row minus its own diagonal.
+
+    Garg et al. 2024 (TiC-CLIP), App. F, Tab. 20 (specs/ticclip.md §3). Satisfies
+    ((BWT − relBWT) + (FWT − relFWT)) / 2 == ID. NaN when T = 1.
+    """
+    matrix = as_square(R)
+    T = matrix.shape[0]
+    if T < 2:
+        return NAN
+    rows, cols = np.triu_indices(T, k=1)
+    return float((matrix[rows, cols] - matrix[rows, rows]).sum() / _triangle_divisor(T))
+
+
+def summarize(R: ArrayLike, b: np.ndarray | Sequence[float] | None = None) -> dict[str, float]:
+    """Every summary of `R` in one dict.
+
+    Keys: `final_average`, `average_incremental`, `forgetting`, `backward_transfer`, `tic_id`, `tic_bwt`, `tic_fwt`,
+    `tic_rel_bwt`, `tic_rel_fwt`, and, only when the initial-model scores `b` are given, `forward_transfer` and
+    `initial_average` (mean of b). With T = 1 the keys that need two steps are present with NaN.
+    """
+    matrix = as_square(R)
+    summary = {
+        "final_average": final_average(matrix),
+        "average_incremental": average_incremental(matrix),
+        "forgetting": forgetting(matrix),
+        "backward_transfer": backward_transfer(matrix),
+        "tic_id": tic_in_domain(matrix),
+        "tic_bwt": tic_backward(matrix),
+        "tic_fwt": tic_forward(matrix),
+        "tic_rel_bwt": tic_relative_backward(matrix),
+        "tic_rel_fwt": tic_relative_forward(matrix),
+    }
+    if b is not None:
+        baseline = _as_baseline(b, matrix.shape[0])
+        summary["forward_transfer"] = forward_transfer(matrix, baseline)
+        summary["initial_average"] = float(baseline.mean())
+    return summary

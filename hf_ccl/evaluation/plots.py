@@ -1,0 +1,54 @@
+"""Plots of a results matrix (matplotlib is imported only when a plot is drawn; install `hf_ccl[plots]`)."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .matrix import INITIAL_LABEL, ResultsMatrix
+
+
+def _rows_and_labels(matrix: ResultsMatrix) -> tuple[np.ndarray, list[str]]:
+    rows: list[np.ndarray] = []
+    labels: list[str] = []
+    initial = matrix.initial_headline()
+    if initial is not None:
+        rows.append(initial)
+        labels.append(INITIAL_LABEL)
+    for row, values in zip(matrix.rows, matrix.headline(), strict=True):
+        rows.append(values)
+        labels.append(f"after {row.label}")
+    data = np.stack(rows) if rows else np.empty((0, matrix.num_tasks))
+    return data, labels
+
+
+def plot_matrix_heatmap(
+    matrix: ResultsMatrix, path: str | os.PathLike[str], title: str | None = None
+) -> Path:
+    """Save a heatmap of the headline matrix (rows: initial, after each task; columns: tasks) to `path`."""
+    from matplotlib.figure import Figure  # lazy: matplotlib is optional
+
+    data, labels = _rows_and_labels(matrix)
+    width = 1.6 + 1.1 * max(matrix.num_tasks, 1)
+    height = 1.4 + 0.55 * max(len(labels), 1)
+    figure = Figure(figsize=(width, height), layout="constrained")
+    axes = figure.add_subplot()
+    image = axes.imshow(np.ma.masked_invalid(data), cmap="viridis", aspect="auto")
+    axes.set_xticks(range(matrix.num_tasks), matrix.task_names, rotation=45, ha="right")
+    axes.set_yticks(range(len(labels)), labels)
+    axes.set_xlabel("evaluated on")
+    finite = data[np.isfinite(data)]
+    middle = float(finite.mean()) if finite.size else 0.0
+    for (i, j), value in np.ndenumerate(data):
+        if not math.isnan(value):
+            colour = "black" if value > middle else "white"
+            axes.text(j, i, f"{value:.1f}", ha="center", va="center", color=colour, fontsize=8)
+    figure.colorbar(image, ax=axes, label="headline metric (%)")
+    axes.set_title(title or "results matrix")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    return path
