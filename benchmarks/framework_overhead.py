@@ -1,7 +1,7 @@
 """Framework overhead: time per training step of hf_ccl `finetune` (ContinualTrainer) vs a plain PyTorch loop.
 
 Same model (same init), same data (the first task of the `digits` stream), same collator, batch size, optimizer
-(AdamW) and schedule; both time the whole step including data loading. The two run alternately in rounds within one
+(fused AdamW with the Trainer's weight-decay groups), gradient clipping and cosine schedule; both time the whole step including data loading. The two run alternately in rounds within one
 process so that machine load affects both alike; the table reports the median step time of each and their ratio.
 
     python benchmarks/framework_overhead.py [--steps 60] [--rounds 3] [--sizes tiny,default]
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader
-from transformers import TrainerCallback, TrainingArguments, get_cosine_schedule_with_warmup
+from transformers import Trainer, TrainerCallback, TrainingArguments, get_cosine_schedule_with_warmup
 
 from hf_ccl.data import CLIPCollator, build_stream, load_image_processor, load_tokenizer
 from hf_ccl.methods import build_methods
@@ -61,7 +61,13 @@ def time_plain_loop(size: str, dataset, collator, tokenizer, steps: int) -> list
     model.align_special_tokens(tokenizer)
     model.train()
     loader = DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=True, collate_fn=collator, drop_last=False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.1)
+    # The Trainer's own defaults: fused AdamW, no weight decay on biases and norms.
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": 0.1},
+        {"params": [p for n, p in model.named_parameters() if n not in decay], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=LEARNING_RATE, fused=True)
     schedule = get_cosine_schedule_with_warmup(optimizer, 0, steps)
     stamps: list[float] = []
     while len(stamps) < steps:
