@@ -12,7 +12,7 @@ from transformers import CLIPImageProcessorPil, PreTrainedTokenizerBase
 from .config import RunConfig, save_config
 from .continual import ContinualArguments, ContinualLearner
 from .data.collate import load_image_processor, load_tokenizer
-from .data.named import NAMED_STREAMS, build_stream
+from .data.named import NAMED_STREAMS, build_stream, check_stream_options
 from .distributed import is_main_process
 from .evaluation.matrix import ResultsMatrix
 from .methods import build_methods
@@ -50,6 +50,7 @@ def check_config(config: RunConfig) -> None:
     """Fail on unknown streams, methods and options before any data is read or model built."""
     if config.stream not in NAMED_STREAMS:
         raise ValueError(f"Unknown stream {config.stream!r}; valid streams: {', '.join(sorted(NAMED_STREAMS))}")
+    check_stream_options(config.stream, config.stream_args)
     build_methods(config.methods, config.method_args)
 
 

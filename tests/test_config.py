@@ -30,6 +30,8 @@ def test_unknown_stream_method_and_model_option():
         check_config(RunConfig(stream="digitz"))
     with pytest.raises(ValueError, match="valid methods"):
         check_config(RunConfig(methods=["modx-typo"]))
+    with pytest.raises(ValueError, match="valid options: data_root, seed, max_train_per_task.*label_space"):
+        check_config(RunConfig(stream_args={"max_train_per_tsk": 3}))
     with pytest.raises(ValueError, match="Unknown model.config option"):
         RunConfig(model={"config": {"hiden_size": 3}})
 

@@ -62,7 +62,7 @@ def test_digits_checkpoints_are_complete_and_plain(digits_run, clip_tokenizer):
     processor = CLIPProcessor.from_pretrained(output_dir / "task-2")
     task = learner.stream[0]
     images = [decode_image(task.eval[i]["image"], where="test") for i in range(8)]
-    inputs = processor(images=images, text=[t[0] for t in task.eval[:8]["texts"]], return_tensors="pt", padding=True)
+    inputs = processor(images=images, text=[t[0] for t in task.eval[:8]["texts"]], return_tensors="pt", padding=True, truncation=True)
     with torch.no_grad():
         ours_image = learner.model.embed_images(inputs.pixel_values, normalize=False)
         ours_text = learner.model.embed_texts(inputs.input_ids, inputs.attention_mask, normalize=False)

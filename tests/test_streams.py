@@ -302,3 +302,8 @@ def test_corrupt_image_is_named() -> None:
             ],
             validate_images=True,
         )
+
+
+def test_missing_data_root_is_a_clear_error_not_a_hub_lookup(tmp_path):
+    with pytest.raises(FileNotFoundError, match="pacs not found. Point data_root"):
+        build_stream("pacs-domains", data_root=tmp_path)

@@ -6,6 +6,7 @@ builder (`builder(root, common, **kwargs)`, where `common` holds the options sha
 
 from __future__ import annotations
 
+import inspect
 import io
 from collections.abc import Callable
 from functools import lru_cache
@@ -87,6 +88,36 @@ def register(name: str) -> Callable[[StreamBuilder], StreamBuilder]:
     return decorate
 
 
+def bundled(root: Path, folder: str) -> Path:
+    """A bundled dataset folder under the data root; a missing one is an error (never a Hub lookup)."""
+    path = root / folder
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"Dataset folder {path} not found. Point data_root (or $HF_CCL_DATA_ROOT) at the folder that holds "
+            f"flickr8k/, pacs/, rsscn7/, fashion/ (the project's ../shared/datasets)."
+        )
+    return path
+
+
+COMMON_STREAM_OPTIONS = ("data_root", "seed", "max_train_per_task", "max_eval_per_task", "validate_images")
+
+
+def stream_options(name: str) -> list[str]:
+    """Every option `build_stream(name, ...)` accepts: the common ones, then the stream's own."""
+    if name not in NAMED_STREAMS:
+        raise ValueError(f"Unknown stream {name!r}; valid names: {', '.join(sorted(NAMED_STREAMS))}")
+    own = [p.name for p in inspect.signature(NAMED_STREAMS[name]).parameters.values() if p.kind == p.KEYWORD_ONLY]
+    return [*COMMON_STREAM_OPTIONS, *own]
+
+
+def check_stream_options(name: str, options: dict[str, Any]) -> None:
+    """Reject an unknown stream or option before any data is read, listing the valid ones."""
+    valid = stream_options(name)
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ValueError(f"Unknown option(s) {unknown} for stream {name!r}; valid options: {', '.join(valid)}")
+
+
 def build_stream(
     name: str,
     *,
@@ -98,8 +129,7 @@ def build_stream(
     **kwargs: Any,
 ) -> TaskStream:
     """Build a named stream; `kwargs` go to its builder (e.g. `label_space="all"` for `digits`)."""
-    if name not in NAMED_STREAMS:
-        raise ValueError(f"Unknown stream {name!r}; valid names: {', '.join(sorted(NAMED_STREAMS))}")
+    check_stream_options(name, kwargs)
     root = Path(data_root) if data_root is not None else default_data_root()
     common = dict(
         seed=seed,
@@ -197,7 +227,7 @@ def flickr8k_random5(
     `language` picks the caption column (en, zh, de, fr, cs; ug/mn/bo have no test captions).
     """
     return stream_random_split(
-        root / "flickr8k",
+        bundled(root, "flickr8k"),
         None,
         n_tasks,
         name="flickr8k-random5" if n_tasks == 5 else f"flickr8k-random{n_tasks}",
@@ -208,9 +238,11 @@ def flickr8k_random5(
 
 
 def _pacs_task(root: Path, domain: str, name: str | None = None) -> TaskSource:
+    if domain not in PACS_DOMAINS:
+        raise ValueError(f"Unknown PACS domain {domain!r}; valid domains: {', '.join(PACS_DOMAINS)}")
     return TaskSource(
         name=name or domain,
-        train=root / "pacs",
+        train=bundled(root, "pacs"),
         label_column="label",
         train_templates=PACS_TRAIN_TEMPLATES[domain],
         eval_templates=PACS_EVAL_TEMPLATES[domain],
@@ -223,11 +255,11 @@ def domains5(root: Path, common: dict[str, Any]) -> TaskStream:
     """Five domains: Flickr8k (captions) -> Fashion (product titles) -> RSSCN7 (aerial, classes) -> PACS
     art_painting -> PACS sketch (classes); retrieval for the first two, zero-shot classification after."""
     entries = [
-        TaskSource(name="flickr8k", train=root / "flickr8k", text_column="en"),
-        TaskSource(name="fashion", train=root / "fashion", text_column="title"),
+        TaskSource(name="flickr8k", train=bundled(root, "flickr8k"), text_column="en"),
+        TaskSource(name="fashion", train=bundled(root, "fashion"), text_column="title"),
         TaskSource(
             name="rsscn7",
-            train=root / "rsscn7",
+            train=bundled(root, "rsscn7"),
             label_column="label",
             train_templates=RSSCN7_TRAIN_TEMPLATES,
             eval_templates=RSSCN7_EVAL_TEMPLATES,
@@ -258,7 +290,7 @@ def fashion_categories(
     The tiny categories (Free Items: 6 products, Sporting Goods: 2, none of them or one in the test split) are dropped.
     """
     return stream_by_column(
-        root / "fashion",
+        bundled(root, "fashion"),
         None,
         "master_category",
         list(categories),
