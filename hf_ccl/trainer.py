@@ -6,7 +6,6 @@ One Trainer trains one task (fresh optimizer and schedule); `hf_ccl.continual.Co
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,7 +57,7 @@ class ContinualTrainer(Trainer):
         # Our loss is a per-batch mean, not normalised by `num_items_in_batch`: let the Trainer scale it for
         # gradient accumulation and never multiply it by the number of processes.
         self.model_accepts_loss_kwargs = False
-        self._term_sums: dict[str, float] = defaultdict(float)
+        self._term_sums: dict[str, torch.Tensor] = {}
         self._term_count = 0
         self.add_callback(MethodHooksCallback(self))
 
@@ -79,8 +78,9 @@ class ContinualTrainer(Trainer):
         loss = torch.stack([term.float() for term in terms.values()]).sum()
         self._check_finite(loss, terms)
         if model.training:
-            for name, value in terms.items():
-                self._term_sums[name] += float(value.detach())
+            for name, value in terms.items():  # summed on device: no host sync per term and step
+                value = value.detach().float()
+                self._term_sums[name] = self._term_sums[name] + value if name in self._term_sums else value
             self._term_count += 1
         return (loss, outputs) if return_outputs else loss
 
@@ -98,7 +98,7 @@ class ContinualTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self._term_count and "loss" in logs:
             for name, total in self._term_sums.items():
-                mean = total / self._term_count
+                mean = float(total) / self._term_count
                 logs[f"loss/{name}"] = round(mean, 6) if math.isfinite(mean) else mean
             self._term_sums.clear()
             self._term_count = 0
