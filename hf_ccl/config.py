@@ -29,7 +29,10 @@ def _default_training() -> dict[str, Any]:
 class RunConfig:
     """Everything a continual run needs. Every field can be overridden on the command line (`training.seed=3`)."""
 
-    stream: str = field(default="digits", metadata={"help": "Named stream (see `hf-ccl list`)."})
+    stream: str | dict[str, Any] = field(
+        default="digits",
+        metadata={"help": "A named stream (see `hf-ccl list`), or a mapping {builder: by_column|random_split|...}."},
+    )
     stream_args: dict[str, Any] = field(
         default_factory=dict,
         metadata={"help": "Options of the stream builder: max_train_per_task, max_eval_per_task, validate_images."},

@@ -13,6 +13,8 @@ from .config import RunConfig, save_config
 from .continual import ContinualArguments, ContinualLearner
 from .data.collate import load_image_processor, load_tokenizer
 from .data.named import NAMED_STREAMS, build_stream, check_stream_options
+from .data.spec import RUN_SUPPLIED, STREAM_BUILDERS, build_stream_from_spec, check_stream_spec
+from .data.task import TaskStream
 from .distributed import is_main_process
 from .evaluation.matrix import ResultsMatrix
 from .methods import build_methods
@@ -46,11 +48,27 @@ def load_processors(config: RunConfig, model: ContinualCLIPModel) -> tuple[Any, 
     return image_processor, tokenizer
 
 
+def build_run_stream(config: RunConfig) -> TaskStream:
+    """The config's stream: a named stream, or a spec mapping built by `hf_ccl.data.spec`."""
+    if isinstance(config.stream, dict):
+        return build_stream_from_spec(config.stream, data_root=config.data_root, seed=config.seed, **config.stream_args)
+    return build_stream(config.stream, data_root=config.data_root, seed=config.seed, **config.stream_args)
+
+
 def check_config(config: RunConfig) -> None:
     """Fail on unknown streams, methods and options before any data is read or model built."""
-    if config.stream not in NAMED_STREAMS:
-        raise ValueError(f"Unknown stream {config.stream!r}; valid streams: {', '.join(sorted(NAMED_STREAMS))}")
-    check_stream_options(config.stream, config.stream_args)
+    if isinstance(config.stream, dict):
+        check_stream_spec(config.stream)
+        unknown = sorted(set(config.stream_args) - set(RUN_SUPPLIED))
+        if unknown:
+            raise ValueError(f"Unknown stream_args {unknown} for a stream spec; valid: {', '.join(RUN_SUPPLIED[1:])}")
+    elif config.stream not in NAMED_STREAMS:
+        raise ValueError(
+            f"Unknown stream {config.stream!r}; valid streams: {', '.join(sorted(NAMED_STREAMS))}, "
+            f"or a mapping with `builder` ({', '.join(STREAM_BUILDERS)})"
+        )
+    else:
+        check_stream_options(config.stream, config.stream_args)
     build_methods(config.methods, config.method_args)
 
 
@@ -67,7 +85,7 @@ def run(config: RunConfig) -> ResultsMatrix:
         seed=config.seed,
         progress=config.progress,
     )
-    stream = build_stream(config.stream, data_root=config.data_root, seed=config.seed, **config.stream_args)
+    stream = build_run_stream(config)
     model = load_model(config)
     image_processor, tokenizer = load_processors(config, model)
     if is_main_process():
