@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-import pytest
-from transformers import AutoTokenizer, CLIPImageProcessorPil
+import os
 
-from hf_ccl.paths import data_root, default_tokenizer_path
-from hf_ccl.testing import tiny_clip
+# No test may reach the Hugging Face Hub: make every HF library fail fast instead of retrying the network.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+import pytest  # noqa: E402
+from transformers import AutoTokenizer, CLIPImageProcessorPil  # noqa: E402
+
+from hf_ccl.paths import data_root, default_tokenizer_path  # noqa: E402
+from hf_ccl.testing import tiny_clip  # noqa: E402
 
 
 @pytest.fixture(scope="session")
