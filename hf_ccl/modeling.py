@@ -77,9 +77,15 @@ def tiny_clip_config(
     return CLIPConfig(text_config=text_config, vision_config=vision_config, projection_dim=projection_dim)
 
 
-def _pooled(output: Any) -> torch.Tensor:
-    """`get_*_features` return an output object in transformers 5 and a tensor in 4.x."""
-    return output if isinstance(output, torch.Tensor) else output.pooler_output
+def as_embedding(output: Any) -> torch.Tensor:
+    """The projected embedding from `get_*_features`: a bare tensor (transformers 4.x), or an output object's
+    `pooler_output` (transformers 5)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    pooled = getattr(output, "pooler_output", None)
+    if isinstance(pooled, torch.Tensor):
+        return pooled
+    raise TypeError(f"cannot read an embedding from {type(output).__name__}; expected a tensor or pooler_output")
 
 
 class ContinualCLIPModel(CLIPModel):
@@ -136,14 +142,14 @@ class ContinualCLIPModel(CLIPModel):
     # ----- embeddings --------------------------------------------------------------------------------------
     def embed_images(self, pixel_values: torch.Tensor, normalize: bool = True) -> torch.Tensor:
         """Projected image embeddings [B, projection_dim]."""
-        embeds = _pooled(self.get_image_features(pixel_values=pixel_values))
+        embeds = as_embedding(self.get_image_features(pixel_values=pixel_values))
         return nn.functional.normalize(embeds, dim=-1) if normalize else embeds
 
     def embed_texts(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, normalize: bool = True
     ) -> torch.Tensor:
         """Projected text embeddings [B, projection_dim]."""
-        embeds = _pooled(self.get_text_features(input_ids=input_ids, attention_mask=attention_mask))
+        embeds = as_embedding(self.get_text_features(input_ids=input_ids, attention_mask=attention_mask))
         return nn.functional.normalize(embeds, dim=-1) if normalize else embeds
 
     # ----- forward -----------------------------------------------------------------------------------------
@@ -164,9 +170,9 @@ class ContinualCLIPModel(CLIPModel):
         pairs that share either are positives of each other (DESIGN.md, "Positives in a batch").
         """
         kwargs.pop("num_items_in_batch", None)
-        image_embeds = nn.functional.normalize(_pooled(self.get_image_features(pixel_values=pixel_values)), dim=-1)
+        image_embeds = nn.functional.normalize(as_embedding(self.get_image_features(pixel_values=pixel_values)), dim=-1)
         text_embeds = nn.functional.normalize(
-            _pooled(
+            as_embedding(
                 self.get_text_features(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
             ),
             dim=-1,

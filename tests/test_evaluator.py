@@ -19,7 +19,7 @@ from hf_ccl.evaluation import (
     zero_shot_accuracy,
     zero_shot_classifier,
 )
-from hf_ccl.evaluation.encode import as_embedding
+from hf_ccl.modeling import as_embedding
 
 # ---------------------------------------------------------------- zero-shot on hand-made embeddings
 

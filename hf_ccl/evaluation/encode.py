@@ -9,18 +9,7 @@ from typing import Any
 import torch
 
 from ..data.images import decode_image
-
-
-def as_embedding(output: Any) -> torch.Tensor:
-    """The projected embedding from `get_*_features`: a bare tensor, or an output object's `pooler_output`."""
-    if isinstance(output, torch.Tensor):
-        return output
-    pooled = getattr(output, "pooler_output", None)
-    if isinstance(pooled, torch.Tensor):
-        return pooled
-    raise TypeError(
-        f"cannot read an embedding from {type(output).__name__}; expected a tensor or pooler_output"
-    )
+from ..modeling import as_embedding
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
