@@ -194,10 +194,21 @@ class ContinualLearner:
         collator = CLIPCollator(
             self.image_processor, self.tokenizer, max_length=self.max_length, train=True, seed=context.seed
         )
+        train_dataset = self._train_dataset(context)
+        # What task-end hooks may need to run the model over the task's data (EWC's Fisher, MAS, DER).
+        context.extras.update(
+            train_dataset=train_dataset,
+            collator=CLIPCollator(
+                self.image_processor, self.tokenizer, max_length=self.max_length, train=False, seed=context.seed
+            ),
+            image_processor=self.image_processor,
+            tokenizer=self.tokenizer,
+            per_device_batch_size=self._training_arguments(context).per_device_train_batch_size,
+        )
         trainer = ContinualTrainer(
             model=self.model,
             args=self._training_arguments(context),
-            train_dataset=self._train_dataset(context),
+            train_dataset=train_dataset,
             data_collator=collator,
             methods=self.methods,
             context=context,

@@ -58,6 +58,7 @@ class ContinualTrainer(Trainer):
         # gradient accumulation and never multiply it by the number of processes.
         self.model_accepts_loss_kwargs = False
         self._term_sums: dict[str, torch.Tensor] = {}
+        self._metric_sums: dict[str, float] = {}
         self._term_count = 0
         self.add_callback(MethodHooksCallback(self))
 
@@ -81,6 +82,10 @@ class ContinualTrainer(Trainer):
             for name, value in terms.items():  # summed on device: no host sync per term and step
                 value = value.detach().float()
                 self._term_sums[name] = self._term_sums[name] + value if name in self._term_sums else value
+            for method in self.methods:
+                for name, value in method.metrics().items():
+                    key = f"{method.name}/{name}"
+                    self._metric_sums[key] = self._metric_sums.get(key, 0.0) + float(value)
             self._term_count += 1
         return (loss, outputs) if return_outputs else loss
 
@@ -100,6 +105,9 @@ class ContinualTrainer(Trainer):
             for name, total in self._term_sums.items():
                 mean = float(total) / self._term_count
                 logs[f"loss/{name}"] = round(mean, 6) if math.isfinite(mean) else mean
+            for name, total in self._metric_sums.items():
+                logs[name] = round(total / self._term_count, 6)
             self._term_sums.clear()
+            self._metric_sums.clear()
             self._term_count = 0
         super().log(logs, start_time)

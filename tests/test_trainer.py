@@ -38,6 +38,11 @@ class _Recorder(ContinualMethod):
 
     def on_task_end(self, context):
         self.calls.append(f"end{context.task_index}")
+        assert {"train_dataset", "collator", "image_processor", "tokenizer"} <= set(context.extras)
+        assert len(context.extras["train_dataset"]) == 32 and not context.extras["collator"].train
+
+    def metrics(self):
+        return {"half": 0.5}
 
 
 def test_hooks_run_in_order_and_edit_gradients(tmp_path, clip_tokenizer):
@@ -83,5 +88,6 @@ def test_each_loss_term_is_logged(tmp_path, clip_tokenizer):
     learner.fit()
     step_logs = [log for log in trainer_logs if "loss" in log]
     assert step_logs and all("loss/contrastive" in log and "loss/recorder/l2" in log for log in step_logs)
+    assert all(log["recorder/half"] == 0.5 for log in step_logs)  # metrics() are logged, not added to the loss
     for log in step_logs:
         assert abs(log["loss"] - (log["loss/contrastive"] + log["loss/recorder/l2"])) < 1e-3

@@ -7,6 +7,7 @@
 | `loss_terms`           | extra named loss terms, added to the contrastive loss and logged       |
 | `pre_optimizer_step`   | edit gradients between backward and the optimizer step (projection)    |
 | `on_task_end`          | update method state after a task (teachers, Fisher, buffers)           |
+| `metrics`              | diagnostics logged beside the loss terms (not added to the loss)       |
 | `state_dict` / `load_state_dict` | what must survive a restart, saved beside each task checkpoint |
 
 Methods compose: a run holds a list of them and calls each hook of each, in order.
@@ -102,7 +103,16 @@ class ContinualMethod:
         """Edit `p.grad` of the model's parameters before the optimizer steps (after clipping)."""
 
     def on_task_end(self, context: TaskContext) -> None:
-        """Called after a task has trained and been evaluated, before its checkpoint is written."""
+        """Called after a task has trained and been evaluated, before its checkpoint is written.
+
+        `context.extras` then holds `train_dataset` (what the task trained on), `collator` (an eval-mode
+        `CLIPCollator`), `image_processor`, `tokenizer` and `per_device_batch_size`.
+        """
+
+    def metrics(self) -> dict[str, float]:
+        """Diagnostics to log beside the loss (not added to it), e.g. the fraction of rows Mod-X keeps;
+        averaged over the steps of each logging window and logged as `<method>/<name>`."""
+        return {}
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume: tensors (saved as safetensors) and JSON-serialisable values."""
