@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from hf_ccl.methods import available_methods
+
 SCRIPT = Path(__file__).parent / "scripts" / "two_process_check.py"
 
 
@@ -37,3 +39,7 @@ def test_two_processes_match_one(tmp_path):
     assert reports[0]["param_sum"] == reports[1]["param_sum"]
     assert reports[0]["param_abs_sum"] == reports[1]["param_abs_sum"]
     assert (tmp_path / "run" / "task-1" / "model.safetensors").exists()
+    sums = [report["method_param_sums"] for report in reports]
+    assert set(sums[0]) >= set(available_methods())
+    for name, value in sums[0].items():
+        assert value == sums[1][name], f"{name}: ranks disagree after training"

@@ -3,6 +3,7 @@
 1. The global-batch loss on 2 processes (each holding half the batch) equals the one-process loss on the whole batch,
    and so do the gradients after DDP-style averaging.
 2. A 2-task continual run with ContinualTrainer leaves identical parameters on both ranks.
+3. So does every registered method, and the papers' compositions ([modx, er], [ctp, er], [lwf, er]).
 Writes `rank<r>.json` into the folder given as the first argument.
 """
 
@@ -20,7 +21,7 @@ from hf_ccl.continual import ContinualArguments, ContinualLearner
 from hf_ccl.data.collate import load_image_processor, load_tokenizer
 from hf_ccl.data.named import build_stream
 from hf_ccl.losses import clip_contrastive_loss, positive_mask
-from hf_ccl.methods import build_methods
+from hf_ccl.methods import available_methods, build_methods
 from hf_ccl.testing import tiny_clip
 
 TEXTS = ["a photo of a cat", "a dog", "two birds", "a red car", "a photo of a cat", "a boat", "a tree", "the sea"]
@@ -76,12 +77,43 @@ def continual_run(tokenizer, output_dir: Path) -> dict:
             "rows": results.num_trained}
 
 
+COMPOSITIONS = (("modx", "er"), ("ctp", "er"), ("lwf", "er"))
+
+
+def method_matrix(tokenizer, output_dir: Path) -> dict:
+    """Every registered method (and the papers' compositions) for 2 tasks x 2 steps: parameter checksums."""
+    registered = set(available_methods())
+    runs = [(name,) for name in sorted(registered)]
+    runs += [combo for combo in COMPOSITIONS if set(combo) <= registered]
+    stream = build_stream("digits", max_train_per_task=64, max_eval_per_task=10)
+    stream.tasks = stream.tasks[:2]
+    sums = {}
+    for names in runs:
+        args = ContinualArguments(
+            output_dir=str(output_dir / "+".join(names)),
+            training={"max_steps": 2, "per_device_train_batch_size": 8, "learning_rate": 1e-3},
+            progress=False,
+        )
+        learner = ContinualLearner(
+            tiny_clip(seed=0), stream, build_methods(list(names)), load_image_processor(32), tokenizer, args
+        )
+        learner.fit()
+        params = torch.cat([p.detach().flatten() for p in learner.model.parameters()])
+        sums["+".join(names)] = params.double().abs().sum().item()
+    return {"method_param_sums": sums}
+
+
 def main() -> None:
     output_dir = Path(sys.argv[1])
     state = PartialState(cpu=True)
     rank, world = state.process_index, state.num_processes
     tokenizer = load_tokenizer()
-    report = {"world_size": world, **global_batch_check(tokenizer, rank, world), **continual_run(tokenizer, output_dir)}
+    report = {
+        "world_size": world,
+        **global_batch_check(tokenizer, rank, world),
+        **continual_run(tokenizer, output_dir),
+        **method_matrix(tokenizer, output_dir),
+    }
     (output_dir / f"rank{rank}.json").write_text(json.dumps(report))
 
 
