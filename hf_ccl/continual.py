@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import CLIPProcessor, PreTrainedTokenizerBase, TrainingArguments
+from transformers import CLIPProcessor, PreTrainedTokenizerBase, TrainerCallback, TrainingArguments
 
 from .data.collate import CLIPCollator
 from .data.task import CANONICAL_COLUMNS, TaskStream
@@ -96,7 +96,10 @@ def validate_stream(stream: TaskStream) -> None:
 
 
 class ContinualLearner:
-    """Train one model on a stream of tasks, one after another, and keep the task-by-task results matrix."""
+    """Train one model on a stream of tasks, one after another, and keep the task-by-task results matrix.
+
+    `callbacks` (transformers `TrainerCallback`s) are given to every task's Trainer.
+    """
 
     def __init__(
         self,
@@ -106,8 +109,10 @@ class ContinualLearner:
         image_processor: Any,
         tokenizer: PreTrainedTokenizerBase,
         args: ContinualArguments,
+        callbacks: list[TrainerCallback] | None = None,
     ):
         validate_stream(stream)
+        self.callbacks = list(callbacks or [])
         self.model = model
         self.stream = stream
         self.methods = methods
@@ -212,6 +217,7 @@ class ContinualLearner:
             data_collator=collator,
             methods=self.methods,
             context=context,
+            callbacks=self.callbacks,
         )
         trainer.train()
         context.extras["log_history"] = trainer.state.log_history
