@@ -15,6 +15,9 @@ from .images import decode_image
 
 CLIP_MAX_LENGTH = 77
 _HUGE_MAX_LENGTH = 100_000  # tokenizers without a limit report ~1e30
+#: Optional integer columns passed through as int64 tensors when present in the rows (missing or None -> -1):
+#: `buffer_slot` marks replayed rows and their buffer slot (hf_ccl.methods.replay; -1 for new data).
+PASSTHROUGH_INT_COLUMNS = ("buffer_slot",)
 
 
 def stable_hash(text: str) -> int:
@@ -55,7 +58,8 @@ class CLIPCollator:
     `max_length`) and int64 `text_hash` / `image_hash` (stable hashes of the chosen caption and of `image_id`): two
     examples are positives when either hash matches. In train mode one caption per example is drawn from `texts`
     with the collator's own seeded generator (reproducible; each DataLoader worker derives its own stream from
-    `seed` and its worker id); in eval mode the first caption is used.
+    `seed` and its worker id); in eval mode the first caption is used. Integer columns named in
+    `PASSTHROUGH_INT_COLUMNS` (e.g. `buffer_slot`) are passed through as int64 tensors when the rows have them.
     """
 
     def __init__(
@@ -104,10 +108,15 @@ class CLIPCollator:
             texts, padding="longest", truncation=True, max_length=self.max_length, return_tensors="pt"
         )
         pixels = self.image_processor(images=images, return_tensors="pt")["pixel_values"]
-        return {
+        batch = {
             "pixel_values": pixels,
             "input_ids": tokens["input_ids"],
             "attention_mask": tokens["attention_mask"],
             "text_hash": torch.tensor([stable_hash(text) for text in texts], dtype=torch.int64),
             "image_hash": torch.tensor([stable_hash(image_id) for image_id in ids], dtype=torch.int64),
         }
+        for column in PASSTHROUGH_INT_COLUMNS:
+            if any(column in row for row in rows):
+                values = [row.get(column) for row in rows]
+                batch[column] = torch.tensor([-1 if v is None else int(v) for v in values], dtype=torch.int64)
+        return batch
