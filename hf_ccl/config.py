@@ -58,6 +58,9 @@ class RunConfig:
     eval_batch_size: int = field(default=256, metadata={"help": "Batch size of evaluation."})
     max_length: int | None = field(default=None, metadata={"help": "Token limit; default the model's context."})
     progress: bool = field(default=True, metadata={"help": "Progress bars."})
+    spatial_disorder_task: int | None = field(
+        default=None, metadata={"help": "Mod-X spatial-disorder diagnostics on this task's eval split; None: off."}
+    )
 
     def __post_init__(self) -> None:
         self.validate()

@@ -27,8 +27,15 @@ from transformers import CLIPProcessor, PreTrainedTokenizerBase, TrainerCallback
 from .data.collate import CLIPCollator
 from .data.task import CANONICAL_COLUMNS, TaskStream
 from .distributed import barrier, is_main_process
-from .evaluation.evaluator import evaluate_task
+from .evaluation.evaluator import evaluate_task, iter_column
 from .evaluation.matrix import ResultsMatrix
+from .evaluation.spatial_disorder import (
+    DisorderEmbeddings,
+    SpatialDisorder,
+    embed_for_disorder,
+    plot_spatial_disorder,
+    spatial_disorder,
+)
 from .methods.base import ContinualMethod, TaskContext
 from .methods.state import save_method_states
 from .modeling import ContinualCLIPModel
@@ -60,6 +67,14 @@ class ContinualArguments:
     evaluate_initial: bool = field(default=True, metadata={"help": "Evaluate the model before the first task."})
     save_checkpoints: bool = field(default=True, metadata={"help": "Write output_dir/task-<k>/ after every task."})
     progress: bool = field(default=True, metadata={"help": "Show progress bars for the stream and each task."})
+    spatial_disorder_task: int | None = field(
+        default=None,
+        metadata={
+            "help": "Mod-X's spatial-disorder diagnostics (paper 000, Sec. 3) after every task, against the initial "
+            "model, on this task's eval split (e.g. 0, the old domain); None: off. Written to spatial_disorder.json "
+            "(and .png with matplotlib) in the run folder and each checkpoint."
+        },
+    )
 
     def __post_init__(self) -> None:
         validate_training_args(self.training)
@@ -124,6 +139,10 @@ class ContinualLearner:
         self.results = ResultsMatrix(
             task_names=stream.task_names, headline_metrics=[task.headline_metric for task in stream]
         )
+        if args.spatial_disorder_task is not None and not 0 <= args.spatial_disorder_task < len(stream):
+            raise ValueError(f"spatial_disorder_task must index a task of the stream (0..{len(stream) - 1})")
+        self.disorder: dict[str, SpatialDisorder] = {}
+        self._disorder_reference: DisorderEmbeddings | None = None
 
     @property
     def max_length(self) -> int:
@@ -135,6 +154,8 @@ class ContinualLearner:
         """Run the whole stream; returns the results matrix (also saved in every checkpoint)."""
         if self.args.evaluate_initial:
             self.results.add_row("initial", self.evaluate())
+        if self.args.spatial_disorder_task is not None and is_main_process():
+            self._disorder_reference = self._embed_for_disorder()
         bar = tqdm(total=len(self.stream), desc=f"stream {self.stream.name}", disable=not self.args.progress)
         last_checkpoint: Path | None = None
         for index, task in enumerate(self.stream):
@@ -151,6 +172,8 @@ class ContinualLearner:
             self._start_task(context)
             self._train_task(context)
             self.results.add_row(task.name, self.evaluate())
+            if self._disorder_reference is not None:
+                self._measure_disorder(task.name)
             for method in self.methods:
                 method.on_task_end(context)
             if self.args.save_checkpoints:
@@ -239,6 +262,34 @@ class ContinualLearner:
         barrier()
         return metrics
 
+    def _disorder_dataset(self):  # noqa: ANN202 (datasets.Dataset)
+        return self.stream[self.args.spatial_disorder_task].eval
+
+    def _embed_for_disorder(self) -> DisorderEmbeddings:
+        dataset = self._disorder_dataset()
+        return embed_for_disorder(
+            self.model, iter_column(dataset, "image"), list(iter_column(dataset, "texts")), self.image_processor,
+            self.tokenizer, self.args.eval_batch_size, self.max_length,
+        )
+
+    def _measure_disorder(self, label: str) -> None:
+        """Spatial disorder of the current model against the initial one (main process only)."""
+        current = self._embed_for_disorder()
+        reference = self._disorder_reference
+        self.disorder[f"initial -> {label}"] = spatial_disorder(
+            reference.images, reference.texts, current.images, current.texts, reference.correct
+        )
+
+    def _save_disorder(self, folder: Path) -> None:
+        if not self.disorder:
+            return
+        payload = {label: result.to_dict() for label, result in self.disorder.items()}
+        (folder / "spatial_disorder.json").write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+        try:
+            plot_spatial_disorder(self.disorder, folder / "spatial_disorder.png")
+        except ImportError:
+            logger.info("matplotlib is not installed: spatial_disorder.png not written")
+
     def save_checkpoint(self, index: int) -> Path:
         """Write `output_dir/task-<index>/` atomically (a `.partial` folder renamed at the end); main process only."""
         final = self.output_dir / f"task-{index}"
@@ -251,6 +302,7 @@ class ContinualLearner:
             self.image_processor.save_pretrained(partial)  # preprocessor_config.json too, for older transformers
             save_method_states(self.methods, partial)
             self.results.save(partial)
+            self._save_disorder(partial)
             state = {
                 "task_index": index,
                 "task_name": self.stream[index].name,
@@ -262,5 +314,6 @@ class ContinualLearner:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(partial, final)
             self.results.save(self.output_dir)
+            self._save_disorder(self.output_dir)
         barrier()
         return final

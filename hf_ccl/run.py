@@ -84,6 +84,7 @@ def run(config: RunConfig) -> ResultsMatrix:
         max_length=config.max_length,
         seed=config.seed,
         progress=config.progress,
+        spatial_disorder_task=config.spatial_disorder_task,
     )
     stream = build_run_stream(config)
     model = load_model(config)

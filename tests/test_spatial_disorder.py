@@ -1,5 +1,6 @@
 """Mod-X §3 spatial-disorder diagnostics on hand-made 2-D embeddings, blockwise vs full, and on a real eval set."""
 
+import json
 import math
 
 import pytest
@@ -105,3 +106,23 @@ def test_model_pair_on_an_eval_set_and_plot(tmp_path, clip_tokenizer, image_proc
     assert set(moved.to_dict()) >= {"scalars", "image_rotation", "ram_edges"}
     path = plot_spatial_disorder({"0 -> 0": same, "0 -> 1": moved}, tmp_path / "sd.png")
     assert path.exists() and path.stat().st_size > 0
+
+
+def test_disorder_is_measured_after_every_task_of_a_run(tmp_path, clip_tokenizer):
+    from hf_ccl.continual import ContinualArguments, ContinualLearner
+    from hf_ccl.data import build_stream, load_image_processor
+    from hf_ccl.methods import build_methods
+    from hf_ccl.testing import tiny_clip
+
+    stream = build_stream("flickr8k-random5", max_train_per_task=16, max_eval_per_task=12)
+    stream.tasks = stream.tasks[:2]
+    args = ContinualArguments(
+        output_dir=str(tmp_path), training={"max_steps": 2, "per_device_train_batch_size": 8}, progress=False,
+        spatial_disorder_task=0,
+    )
+    learner = ContinualLearner(tiny_clip(), stream, build_methods(["finetune"]), load_image_processor(32),
+                               clip_tokenizer, args)
+    learner.fit()
+    saved = json.loads((tmp_path / "task-1" / "spatial_disorder.json").read_text())
+    assert list(saved) == ["initial -> flickr8k-0", "initial -> flickr8k-1"]
+    assert (tmp_path / "spatial_disorder.png").exists()
