@@ -1,0 +1,170 @@
+"""SI: Zenke, Poole & Ganguli, "Continual Learning Through Synaptic Intelligence" (ICML 2017).
+
+    ω_k^μ = −Σ_s g_k(s) · (θ_k(s+1) − θ_k(s))      the path integral over task μ's steps    (Zenke et al., Eq. 3)
+    Ω_k ← Ω_k + ω_k^μ / ((Δ_k^μ)² + ξ),   Δ^μ = θ(end of μ) − θ(start of μ)                    (Eq. 5)
+    L(θ) = L_contrastive(θ) + c Σ_k Ω_k (θ_k − θ*_k)²,   θ* ← θ at the end of task μ            (Eq. 4)
+
+Exact bookkeeping with the one hook that sees gradients, `pre_optimizer_step` (before optimizer step s):
+1. if step s−1 is pending, close it: θ now is θ(s), so ω −= g(s−1) ⊙ (θ(s) − θ(s−1));
+2. record θ(s) and g(s) = `p.grad` (copies) and mark step s pending.
+`on_task_end` closes the task's last step with the final parameters, so every optimizer step contributes exactly
+g(s) ⊙ Δθ(s), including the last one; a step the optimizer skips (fp16 overflow) has Δθ = 0 and its non-finite
+gradient is recorded as 0. θ(start of μ) is recorded at the task's first step.
+
+g(s) is the gradient the optimizer uses: that of the whole training loss (contrastive, this penalty and any other
+method's terms), after gradient clipping and after the gradient edits of the methods listed before `si`. CTP's
+re-implementation uses the gradient of the unregularised loss, which "needs to back-pass the gradient twice per
+iteration" (specs/ctp.md §4). We use the gradient that moved the parameters, which needs no second backward pass.
+Ω is not clipped at 0 (the paper does not clip it). Every process holds the same parameters and gradients, so ω
+needs no reduction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .base import MethodConfig, TaskContext
+from .registry import register_method
+from .regularization import QuadraticPenaltyConfig, QuadraticPenaltyMethod, nonzero_rows, token_embedding_name
+
+if TYPE_CHECKING:
+    from ..modeling import ContinualCLIPModel
+
+
+@dataclass
+class SIConfig(QuadraticPenaltyConfig):
+    c: float = field(
+        default=1.0, metadata={"help": "Strength c in c Σ Ω (θ − θ*)² (Zenke Eq. 4); 1 as CTP's code."}
+    )
+    xi: float = field(
+        default=0.1, metadata={"help": "Damping ξ in Ω += ω / (Δ² + ξ) (Zenke Eq. 5); 0.1 as CTP's code."}
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.c < 0:
+            raise ValueError(f"c must be >= 0, got {self.c}")
+        if self.xi <= 0:
+            raise ValueError(f"xi must be > 0, got {self.xi}")
+
+
+def _buffers_like(tensors: list[torch.Tensor]) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """Empty buffers shaped like `tensors`: views of one flat tensor when they share a dtype and device."""
+    if len({(t.dtype, t.device) for t in tensors}) != 1:
+        return None, [torch.empty_like(t) for t in tensors]
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device)
+    return flat, [
+        view.view_as(t) for view, t in zip(flat.split([t.numel() for t in tensors]), tensors, strict=True)
+    ]
+
+
+def _finite_(tensor: torch.Tensor) -> None:
+    """Non-finite gradient entries (a step skipped by fp16 loss scaling) count as 0."""
+    torch.nan_to_num_(tensor, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+class PathIntegral:
+    """The running ω of one task: θ and g recorded before each step, closed at the next step or at task end.
+
+    Parameters named in `row_names` (the token embedding) are tracked on the rows with a nonzero gradient at each
+    step only: elsewhere g = 0, so those rows add nothing to ω (exactly), and a step costs a few rows, not 49,408.
+    """
+
+    def __init__(
+        self, names: list[str], params: list[torch.Tensor], row_names: set[str | None] = frozenset()
+    ):
+        self.names = names
+        self.start = [p.detach().clone() for p in params]
+        self.omega = [torch.zeros_like(p) for p in params]
+        self.dense = [i for i, name in enumerate(names) if name not in row_names or params[i].dim() < 2]
+        self.by_rows = [i for i in range(len(names)) if i not in set(self.dense)]
+        dense = [params[i] for i in self.dense]
+        self.previous = [torch.empty_like(p) for p in dense]
+        self.flat_gradient, self.gradient = _buffers_like(dense) if dense else (None, [])
+        self.rows: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.pending = False
+
+    @torch.no_grad()
+    def record(self, params: list[torch.Tensor]) -> None:
+        """Before an optimizer step: close the previous step, then record θ(s) and g(s)."""
+        self.close(params)
+        if self.dense:
+            dense = [params[i] for i in self.dense]
+            torch._foreach_copy_(self.previous, [p.detach() for p in dense])
+            grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in dense]
+            torch._foreach_copy_(self.gradient, grads)
+            for buffer in [self.flat_gradient] if self.flat_gradient is not None else self.gradient:
+                _finite_(buffer)
+        for index in self.by_rows:
+            param, grad = params[index].detach(), params[index].grad
+            if grad is not None:
+                rows = nonzero_rows(grad)
+                gradient = grad[rows]
+                _finite_(gradient)
+                self.rows[index] = (rows, param[rows], gradient)
+        self.pending = True
+
+    @torch.no_grad()
+    def close(self, params: list[torch.Tensor]) -> None:
+        """ω −= g(s) ⊙ (θ(s+1) − θ(s)) for the pending step s, θ(s+1) being `params` now."""
+        if not self.pending:
+            return
+        if self.dense:
+            delta = torch._foreach_sub([params[i].detach() for i in self.dense], self.previous)
+            torch._foreach_addcmul_([self.omega[i] for i in self.dense], self.gradient, delta, value=-1.0)
+        for index, (rows, previous, gradient) in self.rows.items():
+            delta = params[index].detach()[rows] - previous
+            self.omega[index].index_add_(0, rows, gradient * delta, alpha=-1.0)
+        self.rows.clear()
+        self.pending = False
+
+    @torch.no_grad()
+    def importance(self, params: list[torch.Tensor], xi: float) -> dict[str, torch.Tensor]:
+        """This task's ω / (Δ² + ξ), Δ the parameters' displacement over the task (Zenke Eq. 5)."""
+        self.close(params)
+        delta = torch._foreach_sub([p.detach() for p in params], self.start)
+        denominator = torch._foreach_add(torch._foreach_mul(delta, delta), xi)
+        return dict(zip(self.names, torch._foreach_div(self.omega, denominator), strict=True))
+
+
+@register_method
+class SI(QuadraticPenaltyMethod):
+    """Synaptic Intelligence: importance from each parameter's contribution to the loss drop along the path."""
+
+    name = "si"
+    config_class = SIConfig
+
+    def __init__(self, config: MethodConfig | dict[str, Any] | None = None):
+        super().__init__(config)
+        self.path: PathIntegral | None = None
+
+    @property
+    def strength(self) -> float:
+        return self.config.c
+
+    def on_task_start(self, context: TaskContext) -> None:
+        self.path = None
+
+    def pre_optimizer_step(self, model: ContinualCLIPModel, context: TaskContext) -> None:
+        if self.path is None:
+            covered = self.covered_parameters(model)
+            self.path = PathIntegral(list(covered), list(covered.values()), {token_embedding_name(model)})
+        self.path.record(self._params(model))
+
+    def on_task_end(self, context: TaskContext) -> None:
+        """Close the last step, add ω / (Δ² + ξ) to Ω, anchor θ* at the current parameters."""
+        model = context.model
+        importance = {} if self.path is None else self.path.importance(self._params(model), self.config.xi)
+        self.consolidate(model, importance, rule="sum", gamma=1.0)
+        self.path = None
+
+    def _params(self, model: nn.Module) -> list[torch.Tensor]:
+        named = dict(model.named_parameters())
+        missing = [name for name in self.path.names if name not in named]
+        if missing:
+            raise ValueError(f"SI tracks parameter(s) {missing[:5]} that the model no longer has")
+        return [named[name] for name in self.path.names]
