@@ -39,6 +39,7 @@ CANDIDATES = [
     ("modx (teacher cache)", ["modx"], {"modx": {"teacher_cache": True}}, 1.35),
     ("lwf", ["lwf"], {}, 1.35),
     ("ctp", ["ctp"], {}, 1.7),
+    ("ctp (teacher cache)", ["ctp"], {"ctp": {"teacher_cache": True}}, 1.7),
     ("ewc", ["ewc"], {}, 1.15),
     ("si", ["si"], {}, 1.15),
     ("mas", ["mas"], {}, 1.15),

@@ -404,3 +404,18 @@ def test_real_run_teacher_frozen_terms_logged_state_saved(digits, clip_tokenizer
     saved = load_file(str(tmp_path / "task-1" / "method_state.safetensors"))  # M's weights are saved too
     momentum = method.momentum_model.model
     assert torch.equal(saved["ctp/momentum_model/text_projection.weight"], momentum.text_projection.weight.cpu())
+
+
+def test_in_place_momentum_update_matches_eq3():
+    from hf_ccl.methods.ctp_losses import momentum_update, momentum_update_
+
+    torch.manual_seed(0)
+    current, previous = [torch.randn(3, 2), torch.randn(4)], [torch.randn(3, 2), torch.randn(4)]
+    for prev, share in ((previous, 0.5), (None, 0.5), (previous, 0.0), (previous, 1.0)):
+        momentum = [torch.randn(3, 2), torch.randn(4)]
+        expected = [
+            momentum_update(c, t, None if prev is None else p, 0.9, share)
+            for c, t, p in zip(momentum, current, previous, strict=True)
+        ]
+        momentum_update_(momentum, current, prev, 0.9, share)
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(momentum, expected, strict=True))

@@ -44,7 +44,7 @@ from .ctp_losses import (
     DIVERGENCES,
     enqueue,
     momentum_contrast_loss,
-    momentum_update,
+    momentum_update_,
     queue_positive_mask,
     same_item_mask,
     topology_loss,
@@ -209,12 +209,16 @@ class CTP(ContinualMethod):
         if self.momentum_model is None:
             return
         momentum = dict(self.momentum_model.model.named_parameters())
-        previous = dict(self.reference.model.named_parameters()) if self.reference is not None else {}
-        share = MOMENTUM_MODES[self.config.momentum_mode]
-        for name, param in model.named_parameters():
-            if param.requires_grad:
-                target = momentum[name]
-                target.copy_(momentum_update(target, param.detach(), previous.get(name), self.current_momentum, share))
+        previous = dict(self.reference.model.named_parameters()) if self.reference is not None else None
+        current = dict(model.named_parameters())
+        names = [name for name, param in current.items() if param.requires_grad]
+        momentum_update_(
+            [momentum[name] for name in names],
+            [current[name].detach() for name in names],
+            [previous[name] for name in names] if previous is not None else None,
+            self.current_momentum,
+            MOMENTUM_MODES[self.config.momentum_mode],
+        )
         self.momentum_update_due = False
 
     # ----- Eq. 4 ---------------------------------------------------------------------------------------------

@@ -40,6 +40,25 @@ def momentum_update(
     return m * theta_c + (1.0 - m) * previous_share * theta_prev + (1.0 - m) * (1.0 - previous_share) * theta_t
 
 
+@torch.no_grad()
+def momentum_update_(
+    theta_c: list[torch.Tensor],
+    theta_t: list[torch.Tensor],
+    theta_prev: list[torch.Tensor] | None,
+    m: float,
+    previous_share: float = 0.5,
+) -> None:
+    """`momentum_update` applied in place to lists of tensors with fused `torch._foreach_*` kernels (the hot path:
+    one pass per term over all parameters, no temporaries)."""
+    torch._foreach_mul_(theta_c, m)
+    if theta_prev is None or previous_share == 0.0:
+        torch._foreach_add_(theta_c, theta_t, alpha=1.0 - m)
+        return
+    torch._foreach_add_(theta_c, theta_prev, alpha=(1.0 - m) * previous_share)
+    if previous_share < 1.0:
+        torch._foreach_add_(theta_c, theta_t, alpha=(1.0 - m) * (1.0 - previous_share))
+
+
 def enqueue(queue: torch.Tensor, pointer: int, items: torch.Tensor) -> tuple[torch.Tensor, int]:
     """FIFO queue of momentum features (Sec. 4.2) as a ring buffer: write `items` [n, ...] at rows `pointer`,
     `pointer + 1`, ... (wrapping around the K rows of `queue`) and return the new queue and pointer.
