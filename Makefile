@@ -30,6 +30,7 @@ lint: install
 bench: install
 	$(PY) benchmarks/framework_overhead.py
 	$(PY) benchmarks/eval_scaling.py
+	$(PY) benchmarks/method_speed.py
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache
