@@ -135,3 +135,9 @@ def test_works_as_dataloader_collate_fn(tokenizer, processor, shared_data_root) 
     loader = torch.utils.data.DataLoader(data, batch_size=4, collate_fn=CLIPCollator(processor, tokenizer))
     batches = list(loader)
     assert [b["pixel_values"].shape[0] for b in batches] == [4, 4, 2]
+
+
+def test_missing_shared_tokenizer_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_CCL_SHARED", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="set HF_CCL_SHARED"):
+        load_tokenizer()

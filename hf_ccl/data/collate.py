@@ -30,7 +30,14 @@ def load_tokenizer(name_or_path: str | Path | None = None) -> Any:
     """Any HF tokenizer by name or path (`AutoTokenizer`); default: the bundled CLIP BPE tokenizer."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(name_or_path or default_tokenizer_path()))
+    if name_or_path is None:
+        name_or_path = default_tokenizer_path()
+        if not name_or_path.is_dir():
+            raise FileNotFoundError(
+                f"The bundled CLIP tokenizer is not at {name_or_path}: set HF_CCL_SHARED to the shared/ folder, or "
+                "pass a tokenizer name or path (config key `tokenizer`)"
+            )
+    return AutoTokenizer.from_pretrained(str(name_or_path))
 
 
 def load_image_processor(image_size: int, **kwargs: Any) -> Any:
