@@ -15,6 +15,7 @@ from transformers import Trainer, TrainerCallback
 from .methods.base import ContinualMethod, TaskContext
 
 CONTRASTIVE_TERM = "contrastive"
+MAX_LOGIT_SCALE = math.log(100.0)  # OpenAI CLIP clamps exp(logit_scale) at 100; transformers does not
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -22,7 +23,8 @@ class NonFiniteLossError(FloatingPointError):
 
 
 class MethodHooksCallback(TrainerCallback):
-    """Calls each method's `pre_optimizer_step` between backward (after clipping) and `optimizer.step()`."""
+    """Calls each method's `pre_optimizer_step` between backward (after clipping) and `optimizer.step()`, and
+    clamps `logit_scale` to [0, ln 100] after every step."""
 
     def __init__(self, trainer: ContinualTrainer):
         self.trainer = trainer
@@ -34,6 +36,15 @@ class MethodHooksCallback(TrainerCallback):
             trainer.context.global_step = state.global_step
         for method in trainer.methods:
             method.pre_optimizer_step(model, trainer.context)
+        return control
+
+    def on_optimizer_step(self, args, state, control, **kwargs):  # noqa: ANN001 (Trainer callback protocol)
+        """Clamp CLIP's temperature after each step, as OpenAI CLIP training does: exp(logit_scale) <= 100."""
+        model = self.trainer.accelerator.unwrap_model(self.trainer.model_wrapped)
+        logit_scale = getattr(model, "logit_scale", None)
+        if isinstance(logit_scale, torch.nn.Parameter):
+            with torch.no_grad():
+                logit_scale.clamp_(0.0, MAX_LOGIT_SCALE)
         return control
 
 

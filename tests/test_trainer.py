@@ -1,5 +1,6 @@
 """The method hooks, driven by a real 2-task run: call order, gradient edits before the step, logged loss terms."""
 
+import pytest
 import torch
 
 from hf_ccl.continual import ContinualArguments, ContinualLearner
@@ -91,3 +92,19 @@ def test_each_loss_term_is_logged(tmp_path, clip_tokenizer):
     assert all(log["recorder/half"] == 0.5 for log in step_logs)  # metrics() are logged, not added to the loss
     for log in step_logs:
         assert abs(log["loss"] - (log["loss/contrastive"] + log["loss/recorder/l2"])) < 1e-3
+
+
+def test_logit_scale_is_clamped_after_each_step(tmp_path, clip_tokenizer):
+    import math
+
+    stream = build_stream("digits", max_train_per_task=32, max_eval_per_task=10)
+    stream.tasks = stream.tasks[:1]
+    model = tiny_clip()
+    with torch.no_grad():
+        model.logit_scale.fill_(7.0)  # exp(7) = 1097 > 100
+    args = ContinualArguments(
+        output_dir=str(tmp_path), training={"max_steps": 1, "per_device_train_batch_size": 16}, progress=False
+    )
+    learner = ContinualLearner(model, stream, build_methods(["finetune"]), load_image_processor(32), clip_tokenizer, args)
+    learner.fit()
+    assert learner.model.logit_scale.item() == pytest.approx(math.log(100.0))
