@@ -15,14 +15,13 @@ so after n examples every one of them is in the buffer with probability K/n. One
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import torch
 from datasets import Dataset, Features, Value, concatenate_datasets
-from datasets.utils import disable_progress_bars, enable_progress_bars, is_progress_bar_enabled
 
+from .builders import quiet_progress_bars
 from .task import TaskStream
 
 
@@ -187,18 +186,5 @@ def _annotate(
             out["texts"] = [[texts[caption_index[slots[i]]]] for texts, i in zip(batch["texts"], indices, strict=True)]
         return out
 
-    with _quiet():
+    with quiet_progress_bars():
         return dataset.map(apply, batched=True, with_indices=True, features=features, desc="Replay buffer")
-
-
-@contextmanager
-def _quiet():  # noqa: ANN202 - a context manager
-    """Hide `datasets` progress bars for the buffer's small maps."""
-    hide = is_progress_bar_enabled()
-    if hide:
-        disable_progress_bars()
-    try:
-        yield
-    finally:
-        if hide:
-            enable_progress_bars()

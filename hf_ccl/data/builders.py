@@ -227,9 +227,9 @@ def resolve_class_names(
 
 
 @contextlib.contextmanager
-def _quiet(n_rows: int) -> Iterator[None]:
-    """Hide `datasets` progress bars for small maps."""
-    hide = n_rows < _QUIET_BELOW_ROWS and is_progress_bar_enabled()
+def quiet_progress_bars(n_rows: int | None = None) -> Iterator[None]:
+    """Hide `datasets` progress bars for small maps (fewer than a threshold of rows, or always when None)."""
+    hide = (n_rows is None or n_rows < _QUIET_BELOW_ROWS) and is_progress_bar_enabled()
     if hide:
         disable_progress_bars()
     try:
@@ -338,7 +338,7 @@ def _to_canonical(
     ds = ds.cast_column(spec.image_column, ImageFeature(decode=False))
     if spec.image_column != "image":
         ds = ds.rename_column(spec.image_column, "image")
-    with _quiet(len(ds)):
+    with quiet_progress_bars(len(ds)):
         ds = ds.map(
             function,
             batched=True,
@@ -390,7 +390,7 @@ def remap_labels(dataset: Dataset, mapping: Mapping[int, int]) -> Dataset:
     def apply(labels: list[int]) -> dict[str, list[int]]:
         return {"label": [table[label] for label in labels]}
 
-    with _quiet(len(dataset)):
+    with quiet_progress_bars(len(dataset)):
         return dataset.map(apply, batched=True, input_columns=["label"], features=CANONICAL_FEATURES)
 
 
