@@ -157,6 +157,7 @@ class TeacherMethod(ContinualMethod):
       change the model at task start (vocabulary growth) must come before this one in the method list, so the
       teacher reads the same inputs as the student.
     - `teacher_embeddings`: the teacher's normalised global-batch embeddings, on the student's device.
+    - `teacher_similarity`: the teacher's cosine matrix over the global batch (Mod-X Eq. 1).
     - `on_task_end`: the teacher is released (the next task takes a fresh snapshot).
     - `state_dict`: empty. The teacher is re-snapshotted at every task start from the model being trained, which on
       resume is the checkpoint of the previous task, i.e. the very model it was taken from.
@@ -194,6 +195,11 @@ class TeacherMethod(ContinualMethod):
             raise RuntimeError(f"{self.name}: no teacher (task 0, or on_task_start was not called)")
         self._place_teacher(_device_of(model))
         return self.teacher.embed_global(inputs)
+
+    def teacher_similarity(self, model: ContinualCLIPModel, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The teacher's cosine matrix over the global batch, M_{t-1} (Mod-X Eq. 1): images as rows, float32."""
+        old_images, old_texts = self.teacher_embeddings(model, inputs)
+        return old_images.float() @ old_texts.float().t()
 
     def _place_teacher(self, device: torch.device) -> None:
         if self.teacher is not None and self._teacher_device != device:

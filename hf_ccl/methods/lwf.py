@@ -102,8 +102,7 @@ class LwF(TeacherMethod):
     ) -> dict[str, torch.Tensor]:
         if self.teacher is None or self.config.alpha == 0:
             return {}
-        old_images, old_texts = self.teacher_embeddings(model, inputs)
-        old = old_images.float() @ old_texts.float().t()
+        old = self.teacher_similarity(model, inputs)
         if self.config.logits == "scaled":  # each model's own contrastive logits
             old = self.teacher.model.logit_scale.detach().float().exp() * old
             new = outputs.global_logits_per_image.float()  # exp(logit_scale) * M_t, with grad to the scale

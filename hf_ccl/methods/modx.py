@@ -174,8 +174,7 @@ class ModX(TeacherMethod):
     ) -> dict[str, torch.Tensor]:
         if self.teacher is None or self.config.alpha == 0:
             return {}
-        old_images, old_texts = self.teacher_embeddings(model, inputs)
-        old_sim = old_images.float() @ old_texts.float().t()  # Eq. 1
+        old_sim = self.teacher_similarity(model, inputs)  # Eq. 1
         new_sim = student_similarity(outputs)  # Eq. 2
         loss, keep = modx_kl(
             old_sim,
