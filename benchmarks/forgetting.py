@@ -6,7 +6,7 @@ tasks), backward transfer and forgetting (on the headline metric), the first tas
 Mod-X's kept-row fraction, and the median step time relative to `finetune` from the same run. Plots: the first
 task's Recall@1 after every task, one curve per method.
 
-    python benchmarks/forgetting.py --stream flickr8k-random5 [--methods finetune,modx,...] [--train-per-task 500]
+    python benchmarks/forgetting.py --stream flickr8k-random5 [--methods finetune,modx,...] [--seeds 0,1,2]
 
 Writes benchmarks/results/forgetting_<stream>.md/.json/.png.
 """
@@ -71,14 +71,14 @@ def method_args(names: list[str], buffer_size: int) -> dict:
     return args
 
 
-def run_method(spec: str, stream, tokenizer, args, output_dir: Path) -> dict:
+def run_method(spec: str, seed: int, stream, tokenizer, args, output_dir: Path) -> dict:
     names = spec.split("+")
     log = StepLog()
     learner = ContinualLearner(
-        tiny_clip(seed=args.seed, **MODEL), stream, build_methods(names, method_args(names, args.buffer_size)),
+        tiny_clip(seed=seed, **MODEL), stream, build_methods(names, method_args(names, args.buffer_size)),
         load_image_processor(32), tokenizer,
         ContinualArguments(
-            output_dir=str(output_dir / spec), save_checkpoints=False, progress=False, seed=args.seed,
+            output_dir=str(output_dir / spec), save_checkpoints=False, progress=False, seed=seed,
             first_task_epochs=args.first_epochs,
             training={"num_train_epochs": args.epochs, "per_device_train_batch_size": args.batch_size,
                       "learning_rate": args.lr, "warmup_steps": 0.1, "lr_scheduler_type": "cosine"},
@@ -91,6 +91,7 @@ def run_method(spec: str, stream, tokenizer, args, output_dir: Path) -> dict:
     summary = results.summary()
     return {
         "method": spec,
+        "seed": seed,
         "headline": results.headline().tolist(),
         "recall_at_1": r1.tolist(),
         "final_average": summary["final_average"],
@@ -104,19 +105,49 @@ def run_method(spec: str, stream, tokenizer, args, output_dir: Path) -> dict:
     }
 
 
-def write_tables(rows: list[dict], stream, args, path: Path) -> None:
-    base = next((r["median_step_s"] for r in rows if r["method"] == "finetune"), math.nan)
+SCALARS = ("final_average", "final_average_R@1", "backward_transfer", "forgetting", "first_task_R@1_initial",
+           "first_task_R@1_final", "step_ratio")
+
+
+def aggregate(runs: list[dict]) -> list[dict]:
+    """Mean and standard deviation over seeds per method; step times as ratios to `finetune` of the same seed."""
+    base = {r["seed"]: r["median_step_s"] for r in runs if r["method"] == "finetune"}
+    for r in runs:
+        r["step_ratio"] = r["median_step_s"] / base.get(r["seed"], math.nan)
+    rows = []
+    for method in dict.fromkeys(r["method"] for r in runs):
+        mine = [r for r in runs if r["method"] == method]
+        row = {"method": method, "seeds": [r["seed"] for r in mine]}
+        for key in SCALARS:
+            values = np.array([r[key] for r in mine], dtype=float)
+            row[key] = float(np.mean(values))
+            row[key + "_std"] = float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+        kept = [r["modx_kept_fraction"] for r in mine if r["modx_kept_fraction"] is not None]
+        row["modx_kept_fraction"] = statistics.fmean(kept) if kept else None
+        row["first_task_R@1_curve"] = np.mean([[x[0] for x in r["recall_at_1"]] for r in mine], axis=0).tolist()
+        rows.append(row)
+    return rows
+
+
+def cell(row: dict, key: str, digits: int) -> str:
+    std = row[key + "_std"]
+    return f"{row[key]:.{digits}f}" + (f" ± {std:.{digits}f}" if std else "")
+
+
+def write_tables(runs: list[dict], stream, args, path: Path) -> list[dict]:
+    rows = aggregate(runs)
     lines = [
         f"# Forgetting benchmark: `{stream.name}`",
         "",
         f"Command: `python benchmarks/forgetting.py --stream {stream.name} --methods {args.methods} "
         f"--train-per-task {args.train_per_task} --eval-per-task {args.eval_per_task} --epochs {args.epochs} "
-        f"--first-epochs {args.first_epochs} --batch-size {args.batch_size} --seed {args.seed}`  ",
+        f"--first-epochs {args.first_epochs} --batch-size {args.batch_size} --seeds {args.seeds}`  ",
         f"Model: random CLIP {MODEL} at 32 px with the real CLIP vocabulary, pretrained on the first task for "
         f"{args.first_epochs} epochs; {args.epochs} epochs on each later task; replay buffers {args.buffer_size} "
         f"pairs. Tasks: {', '.join(stream.task_names)}. Headline metric per task: R_mean for captioned tasks, "
         "zero-shot accuracy for class tasks (%). R@1 = mean of i2t and t2i Recall@1 (%), captioned tasks only. "
-        "One seed: differences of a point or two are noise at this scale.",
+        f"Mean ± standard deviation over seeds {args.seeds} (model init, data order and caption sampling change with "
+        "the seed); step-time ratios are taken against `finetune` of the same seed.",
         "",
         "| method | final avg (headline) | final avg R@1 | BWT | forgetting | first task R@1: after it -> at the end "
         "| step time vs finetune | Mod-X rows kept |",
@@ -125,12 +156,14 @@ def write_tables(rows: list[dict], stream, args, path: Path) -> None:
     for r in rows:
         kept = "" if r["modx_kept_fraction"] is None else f"{100 * r['modx_kept_fraction']:.0f}%"
         lines.append(
-            f"| {r['method']} | {r['final_average']:.1f} | {r['final_average_R@1']:.2f} | "
-            f"{r['backward_transfer']:.1f} | {r['forgetting']:.1f} | {r['first_task_R@1_initial']:.2f} -> "
-            f"{r['first_task_R@1_final']:.2f} | {r['median_step_s'] / base:.2f} | {kept} |"
+            f"| {r['method']} | {cell(r, 'final_average', 1)} | {cell(r, 'final_average_R@1', 2)} | "
+            f"{cell(r, 'backward_transfer', 1)} | {cell(r, 'forgetting', 1)} | {r['first_task_R@1_initial']:.2f} -> "
+            f"{r['first_task_R@1_final']:.2f} | {r['step_ratio']:.2f} | {kept} |"
         )
     path.with_suffix(".md").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    path.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+    path.with_suffix(".json").write_text(json.dumps({"summary": rows, "runs": runs}, indent=2) + "\n",
+                                         encoding="utf-8")
+    return rows
     print("\n".join(lines), flush=True)
 
 
@@ -142,8 +175,8 @@ def plot(rows: list[dict], stream, path: Path) -> None:
     figure = Figure(figsize=(7, 4), layout="constrained")
     axes = figure.subplots()
     for r in rows:
-        axes.plot(range(1, len(r["recall_at_1"]) + 1), [row[0] for row in r["recall_at_1"]], marker="o",
-                  label=r["method"])
+        curve = r["first_task_R@1_curve"]
+        axes.plot(range(1, len(curve) + 1), curve, marker="o", label=r["method"])
     axes.set_xlabel("after task")
     axes.set_ylabel(f"R@1 on {stream.task_names[0]} (%)")
     axes.set_title(f"First task's Recall@1 over the stream ({stream.name})")
@@ -162,7 +195,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--buffer-size", type=int, default=100)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds; the table shows mean ± std")
     parser.add_argument("--output", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
 
@@ -170,12 +203,13 @@ def main() -> None:
     tokenizer = load_tokenizer()
     path = Path(args.output) / f"forgetting_{args.stream}"
     path.parent.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for spec in args.methods.split(","):
-        started = time.perf_counter()
-        rows.append(run_method(spec, stream, tokenizer, args, Path("/tmp/hf_ccl_forgetting") / args.stream))
-        print(f"{spec}: done in {time.perf_counter() - started:.0f} s", flush=True)
-        write_tables(rows, stream, args, path)
+    runs = []
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        for spec in args.methods.split(","):
+            started = time.perf_counter()
+            runs.append(run_method(spec, seed, stream, tokenizer, args, Path("/tmp/hf_ccl_forgetting") / args.stream))
+            print(f"{spec} seed {seed}: done in {time.perf_counter() - started:.0f} s", flush=True)
+            rows = write_tables(runs, stream, args, path)
     plot(rows, stream, path)
 
 

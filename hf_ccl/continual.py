@@ -24,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import CLIPProcessor, PreTrainedTokenizerBase, TrainerCallback, TrainingArguments
 
+from . import __version__
 from .data.collate import CLIPCollator
 from .data.task import CANONICAL_COLUMNS, TaskStream
 from .distributed import barrier, is_main_process
@@ -135,6 +136,7 @@ class ContinualLearner:
         self.tokenizer = tokenizer
         self.args = args
         self.output_dir = Path(args.output_dir)
+        self.base_model = model.config._name_or_path or None  # what the run started from, for the model card
         self.model.align_special_tokens(tokenizer)
         self.results = ResultsMatrix(
             task_names=stream.task_names, headline_metrics=[task.headline_metric for task in stream]
@@ -308,7 +310,14 @@ class ContinualLearner:
                 "task_name": self.stream[index].name,
                 "stream": self.stream.name,
                 "task_names": self.stream.task_names,
+                "task_sources": [task.source for task in self.stream],
                 "methods": [method.name for method in self.methods],
+                "method_configs": {method.name: method.config.to_dict() for method in self.methods},
+                "base_model": self.base_model,
+                "seed": self.args.seed,
+                "training": self.args.training,
+                "first_task_epochs": self.args.first_task_epochs,
+                "hf_ccl_version": __version__,
             }
             (partial / CHECKPOINT_STATE).write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
             shutil.rmtree(final, ignore_errors=True)

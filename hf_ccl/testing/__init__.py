@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .modeling import ContinualCLIPModel, tiny_clip_config
+from ..modeling import ContinualCLIPModel, tiny_clip_config
 
 #: A 1-layer, 32-wide CLIP on 32 px images with the real 49,408-token vocabulary: trains at dozens of steps/s.
 TINY_CLIP = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "image_size": 32, "patch_size": 8, "projection_dim": 32}
