@@ -62,6 +62,18 @@ class RunConfig:
         default=None, metadata={"help": "Mod-X spatial-disorder diagnostics on this task's eval split; None: off."}
     )
 
+    resume_from_checkpoint: bool | str | None = field(
+        default=None,
+        metadata={"help": "true: continue from the last complete task (local, else Hub); 'auto': same, or start "
+                  "afresh; a path: that checkpoint."},
+    )
+    hub_model_id: str | None = field(
+        default=None, metadata={"help": "Push every task to this Hub repo (main + branch task-<k>); token from HF_TOKEN."}
+    )
+    hub_private_repo: bool = field(default=False, metadata={"help": "Create the Hub repo as private."})
+    hub_timeout: float = field(default=60.0, metadata={"help": "Seconds before a Hub request is abandoned."})
+    hub_retries: int = field(default=3, metadata={"help": "Retries with backoff of a failing Hub request."})
+
     def __post_init__(self) -> None:
         self.validate()
 

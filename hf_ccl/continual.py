@@ -6,7 +6,12 @@ For each task k of the stream:
 3. training with a fresh optimizer and schedule (`ContinualTrainer`),
 4. evaluation on the eval split of every task, seen and not yet seen (one row of the results matrix),
 5. the methods' `on_task_end` hooks (so the saved state is the state the next task starts from),
-6. a complete checkpoint in `output_dir/task-<k>/`: model, processor, method state, results so far.
+6. a complete checkpoint in `output_dir/task-<k>/`: model, processor, method state, results so far, model card,
+7. with `hub_model_id`, a push of that folder to the Hub (`main` and branch `task-<k>`, in the background).
+
+`resume_from_checkpoint` continues a stopped run from its last complete task checkpoint (local, else the Hub's newest
+`task-<k>` branch) with every method's state and the results so far; with Trainer checkpoints (`save_strategy`),
+the interrupted task itself resumes from its last one. A finished task is never trained twice.
 """
 
 from __future__ import annotations
@@ -21,10 +26,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
-from transformers import CLIPProcessor, PreTrainedTokenizerBase, TrainerCallback, TrainingArguments
+from transformers import (
+    AutoTokenizer,
+    CLIPProcessor,
+    PreTrainedTokenizerBase,
+    TrainerCallback,
+    TrainingArguments,
+)
+from transformers.trainer_utils import get_last_checkpoint, load_sharded_checkpoint
 
 from . import __version__
+from .cards import write_model_card
 from .data.collate import CLIPCollator
 from .data.task import CANONICAL_COLUMNS, TaskStream
 from .distributed import barrier, is_main_process
@@ -37,14 +51,16 @@ from .evaluation.spatial_disorder import (
     plot_spatial_disorder,
     spatial_disorder,
 )
+from .hub import HubPusher, PushReport, download_task_checkpoint, task_branches
 from .methods.base import ContinualMethod, TaskContext
-from .methods.state import save_method_states
+from .methods.state import load_method_states, save_method_states
 from .modeling import ContinualCLIPModel
 from .trainer import ContinualTrainer
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_STATE = "continual_state.json"
+DISORDER_REFERENCE = "spatial_disorder_reference.safetensors"
 # TrainingArguments the loop sets itself: a user value would break the run.
 MANAGED_TRAINING_ARGS = ("output_dir", "remove_unused_columns", "eval_strategy", "do_eval")
 
@@ -77,8 +93,26 @@ class ContinualArguments:
         },
     )
 
+    resume_from_checkpoint: bool | str | None = field(
+        default=None,
+        metadata={
+            "help": "True: continue from the newest complete task checkpoint in output_dir, else from the newest "
+            "task-<k> branch of hub_model_id (an error when there is none); 'auto': the same, but start afresh when "
+            "there is none; a path: that task checkpoint folder (or run folder)."
+        },
+    )
+    hub_model_id: str | None = field(
+        default=None, metadata={"help": "Hub repository to push every task to (main + branch task-<k>); None: no push."}
+    )
+    hub_private_repo: bool = field(default=False, metadata={"help": "Create the Hub repository as private."})
+    hub_timeout: float = field(default=60.0, metadata={"help": "Seconds before any Hub request is abandoned."})
+    hub_retries: int = field(default=3, metadata={"help": "Retries (exponential backoff) of a failing Hub request."})
+    hub_retry_backoff: float = field(default=1.0, metadata={"help": "First backoff delay in seconds (doubles)."})
+
     def __post_init__(self) -> None:
         validate_training_args(self.training)
+        if isinstance(self.resume_from_checkpoint, str) and self.resume_from_checkpoint.lower() in ("true", "false"):
+            self.resume_from_checkpoint = self.resume_from_checkpoint.lower() == "true"
 
 
 def validate_training_args(training: dict[str, Any]) -> None:
@@ -145,6 +179,8 @@ class ContinualLearner:
             raise ValueError(f"spatial_disorder_task must index a task of the stream (0..{len(stream) - 1})")
         self.disorder: dict[str, SpatialDisorder] = {}
         self._disorder_reference: DisorderEmbeddings | None = None
+        self.pusher: HubPusher | None = None
+        self.push_report: PushReport | None = None
 
     @property
     def max_length(self) -> int:
@@ -154,13 +190,22 @@ class ContinualLearner:
     # ----- the loop -----------------------------------------------------------------------------------------
     def fit(self) -> ResultsMatrix:
         """Run the whole stream; returns the results matrix (also saved in every checkpoint)."""
-        if self.args.evaluate_initial:
-            self.results.add_row("initial", self.evaluate())
-        if self.args.spatial_disorder_task is not None and is_main_process():
-            self._disorder_reference = self._embed_for_disorder()
+        resumed = self._find_resume_checkpoint()
+        if resumed is not None:
+            first_task = self.restore(resumed) + 1
+            last_checkpoint: Path | None = resumed
+        else:
+            first_task, last_checkpoint = 0, None
+            if self.args.evaluate_initial:
+                self.results.add_row("initial", self.evaluate())
+            if self.args.spatial_disorder_task is not None and is_main_process():
+                self._disorder_reference = self._embed_for_disorder()
+        self.pusher = self._make_pusher()
         bar = tqdm(total=len(self.stream), desc=f"stream {self.stream.name}", disable=not self.args.progress)
-        last_checkpoint: Path | None = None
+        bar.update(first_task)
         for index, task in enumerate(self.stream):
+            if index < first_task:
+                continue
             bar.set_postfix_str(task.name)
             context = TaskContext(
                 task_index=index,
@@ -178,11 +223,110 @@ class ContinualLearner:
                 self._measure_disorder(task.name)
             for method in self.methods:
                 method.on_task_end(context)
-            if self.args.save_checkpoints:
+            if self.args.save_checkpoints or self.pusher is not None:
                 last_checkpoint = self.save_checkpoint(index)
+                if self.pusher is not None:
+                    self.pusher.push(last_checkpoint, index)
             bar.update(1)
         bar.close()
+        if self.pusher is not None:
+            self.push_report = self.pusher.finish()
         return self.results
+
+    # ----- Hub -------------------------------------------------------------------------------------------------
+    def _make_pusher(self) -> HubPusher | None:
+        """The background pusher of task checkpoints (main process only; None without `hub_model_id`)."""
+        self.push_report: PushReport | None = None
+        if self.args.hub_model_id is None or not is_main_process():
+            return None
+        return HubPusher(
+            self.args.hub_model_id,
+            private=self.args.hub_private_repo,
+            timeout=self.args.hub_timeout,
+            retries=self.args.hub_retries,
+            backoff=self.args.hub_retry_backoff,
+        )
+
+    # ----- resume ----------------------------------------------------------------------------------------------
+    def _find_resume_checkpoint(self) -> Path | None:
+        """The task checkpoint folder to continue from, or None to start from the first task."""
+        request = self.args.resume_from_checkpoint
+        if request in (None, False):
+            return None
+        if isinstance(request, str) and request != "auto":
+            path = Path(request)
+            if (path / CHECKPOINT_STATE).exists():
+                return path
+            found = latest_task_checkpoint(path)
+            if found is None:
+                raise ValueError(f"resume_from_checkpoint={request!r}: no complete task checkpoint (a task-<k>/ folder "
+                                 f"with {CHECKPOINT_STATE}) there")
+            return found
+        found = latest_task_checkpoint(self.output_dir)
+        if found is None and self.args.hub_model_id is not None:
+            found = self._download_latest_from_hub()
+        if found is None and request is True:
+            where = str(self.output_dir) + (f" or on the Hub at {self.args.hub_model_id}" if self.args.hub_model_id
+                                            else "")
+            raise ValueError(f"resume_from_checkpoint=True but there is no complete task checkpoint in {where}; use "
+                             "'auto' to start afresh when there is none")
+        return found
+
+    def _download_latest_from_hub(self) -> Path | None:
+        """Fetch the newest `task-<k>` revision of `hub_model_id` into output_dir (main process; others wait)."""
+        repo = self.args.hub_model_id
+        HubPusher(repo, timeout=self.args.hub_timeout, background=False)  # bounded timeouts for the download too
+        branches = task_branches(repo)
+        if not branches:
+            return None
+        index = max(branches)
+        folder = self.output_dir / f"task-{index}"
+        if is_main_process():
+            logger.info("Resuming from %s revision task-%d", repo, index)
+            download_task_checkpoint(repo, index, folder)
+        barrier()
+        if not (folder / CHECKPOINT_STATE).exists():
+            raise ValueError(f"Revision task-{index} of {repo} has no {CHECKPOINT_STATE}: not an hf_ccl task checkpoint")
+        return folder
+
+    def restore(self, folder: str | Path) -> int:
+        """Load a task checkpoint written by `save_checkpoint`: model weights, tokenizer (if it grew), every method's
+        state, the results so far. Returns the index of the task it was written after. Every problem is an error
+        naming the file, never a silent fresh start."""
+        folder = Path(folder)
+        state = _read_json(folder / CHECKPOINT_STATE)
+        index = int(state["task_index"])
+        names = self.stream.task_names
+        if state.get("task_names") != names:
+            raise ValueError(f"{folder / CHECKPOINT_STATE} was written for tasks {state.get('task_names')}, but this "
+                             f"stream has {names}: resume with the same stream")
+        methods = [method.name for method in self.methods]
+        if state.get("methods") != methods:
+            raise ValueError(f"{folder / CHECKPOINT_STATE} was written with methods {state.get('methods')}, but this "
+                             f"run has {methods}: resume with the same methods")
+        tokenizer_file = folder / "tokenizer_config.json"
+        if tokenizer_file.exists():
+            saved = AutoTokenizer.from_pretrained(str(folder))
+            if len(saved) != len(self.tokenizer):
+                self.tokenizer = saved
+        load_model_weights(self.model, folder)
+        self.model.align_special_tokens(self.tokenizer)
+        load_method_states(self.methods, folder)
+        try:
+            self.results = ResultsMatrix.load(folder)
+        except (OSError, ValueError, KeyError) as error:
+            raise ValueError(f"Cannot read the results matrix in {folder}: {error}") from error
+        trained = [row.label for row in self.results.rows if row.label != "initial"]
+        if len(trained) != index + 1:
+            raise ValueError(f"{folder} holds {len(trained)} trained rows in results.json, expected {index + 1}")
+        disorder = folder / DISORDER_REFERENCE
+        if self.args.spatial_disorder_task is not None and disorder.exists():
+            tensors = _load_safetensors(disorder)
+            self._disorder_reference = DisorderEmbeddings(tensors["images"], tensors["texts"], tensors["correct"])
+            saved = _read_json(folder / "spatial_disorder.json") if (folder / "spatial_disorder.json").exists() else {}
+            self.disorder = {label: SpatialDisorder.from_dict(value) for label, value in saved.items()}
+        logger.info("Resumed after task %d (%s) from %s", index, state.get("task_name"), folder)
+        return index
 
     def _start_task(self, context: TaskContext) -> None:
         for method in self.methods:
@@ -244,8 +388,14 @@ class ContinualLearner:
             context=context,
             callbacks=self.callbacks,
         )
-        trainer.train()
+        trainer.train(resume_from_checkpoint=self._mid_task_checkpoint(trainer.args.output_dir))
         context.extras["log_history"] = trainer.state.log_history
+
+    def _mid_task_checkpoint(self, trainer_dir: str) -> str | None:
+        """The interrupted task's last Trainer checkpoint when resuming (it needs `save_strategy`), else None."""
+        if self.args.resume_from_checkpoint in (None, False) or not Path(trainer_dir).is_dir():
+            return None
+        return get_last_checkpoint(trainer_dir)
 
     # ----- evaluation and checkpoints ---------------------------------------------------------------------
     def evaluate(self) -> dict[str, dict[str, float]]:
@@ -305,6 +455,10 @@ class ContinualLearner:
             save_method_states(self.methods, partial)
             self.results.save(partial)
             self._save_disorder(partial)
+            if self._disorder_reference is not None:
+                reference = self._disorder_reference
+                save_file({"images": reference.images.contiguous(), "texts": reference.texts.contiguous(),
+                           "correct": reference.correct.contiguous()}, str(partial / DISORDER_REFERENCE))
             state = {
                 "task_index": index,
                 "task_name": self.stream[index].name,
@@ -320,9 +474,59 @@ class ContinualLearner:
                 "hf_ccl_version": __version__,
             }
             (partial / CHECKPOINT_STATE).write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
+            write_model_card(partial, repo_id=self.args.hub_model_id)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(partial, final)
             self.results.save(self.output_dir)
             self._save_disorder(self.output_dir)
         barrier()
         return final
+
+
+# ----- checkpoint helpers ------------------------------------------------------------------------------------------
+def latest_task_checkpoint(run_dir: str | Path) -> Path | None:
+    """The complete `task-<k>/` folder (one with `continual_state.json`) with the highest k in `run_dir`, or None.
+    `.partial` folders (a save that was interrupted) are ignored."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return None
+    found = []
+    for child in run_dir.iterdir():
+        name = child.name
+        if child.is_dir() and name.startswith("task-") and name[5:].isdigit() and (child / CHECKPOINT_STATE).exists():
+            found.append((int(name[5:]), child))
+    return max(found)[1] if found else None
+
+
+def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
+    """Load a checkpoint's weights into `model` (strict), growing the token embedding first if the vocabulary grew."""
+    index_file = folder / "model.safetensors.index.json"
+    if index_file.exists():
+        load_sharded_checkpoint(model, str(folder), strict=True)
+        return
+    weights = folder / "model.safetensors"
+    if not weights.exists():
+        raise ValueError(f"Checkpoint {folder} has no model.safetensors (incomplete download or copy?)")
+    state = _load_safetensors(weights)
+    embedding = model.get_input_embeddings().weight
+    saved_rows = next((t.shape[0] for k, t in state.items() if k.endswith("token_embedding.weight")), None)
+    if saved_rows is not None and saved_rows != embedding.shape[0]:
+        model.resize_token_embeddings(saved_rows)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("position_ids")]
+    if missing or unexpected:
+        raise ValueError(f"{weights} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except Exception as error:  # safetensors raises its own error types for truncated or corrupt files
+        raise ValueError(f"Cannot read {path} (truncated or corrupt?): {error}") from error
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"Cannot read {path} (truncated or corrupt?): {error}") from error

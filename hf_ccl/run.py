@@ -85,6 +85,11 @@ def run(config: RunConfig) -> ResultsMatrix:
         seed=config.seed,
         progress=config.progress,
         spatial_disorder_task=config.spatial_disorder_task,
+        resume_from_checkpoint=config.resume_from_checkpoint,
+        hub_model_id=config.hub_model_id,
+        hub_private_repo=config.hub_private_repo,
+        hub_timeout=config.hub_timeout,
+        hub_retries=config.hub_retries,
     )
     stream = build_run_stream(config)
     model = load_model(config)
@@ -93,4 +98,7 @@ def run(config: RunConfig) -> ResultsMatrix:
         Path(config.output_dir).mkdir(parents=True, exist_ok=True)
         save_config(config, Path(config.output_dir) / "run_config.yaml")
     learner = ContinualLearner(model, stream, methods, image_processor, tokenizer, args)
-    return learner.fit()
+    results = learner.fit()
+    if learner.push_report is not None and is_main_process():
+        print(learner.push_report.summary(), flush=True)
+    return results

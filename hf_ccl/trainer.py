@@ -5,16 +5,22 @@ One Trainer trains one task (fresh optimizer and schedule); `hf_ccl.continual.Co
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback
 
+from .distributed import is_main_process, rank
 from .methods.base import ContinualMethod, TaskContext
+from .methods.state import load_method_states, save_method_states
 
 CONTRASTIVE_TERM = "contrastive"
+#: Sub-folder of a Trainer checkpoint (`checkpoint-<step>/`) with the methods' and the collator's mid-task state.
+MID_TASK_STATE = "hf_ccl"
 MAX_LOGIT_SCALE = math.log(100.0)  # OpenAI CLIP clamps exp(logit_scale) at 100; transformers does not
 
 
@@ -110,6 +116,39 @@ class ContinualTrainer(Trainer):
             where += f"; the last good checkpoint is kept at {last}" if last else "; no checkpoint was written yet"
         values = ", ".join(f"{name}={float(value.detach()):.4g}" for name, value in terms.items())
         raise NonFiniteLossError(f"Non-finite loss at {where}. Loss terms: {values}")
+
+    # ----- mid-task checkpoints: the Trainer saves model, optimizer, scheduler and RNG; we add the rest ------------
+    def _save_rng_state(self, output_dir: str) -> None:
+        """Beside the RNG state (before any push of the checkpoint): every method's state and the caption sampler's
+        position, so that `train(resume_from_checkpoint=...)` continues the task exactly."""
+        super()._save_rng_state(output_dir)
+        folder = Path(output_dir) / MID_TASK_STATE
+        folder.mkdir(parents=True, exist_ok=True)
+        if is_main_process():
+            save_method_states(self.methods, folder)
+        sampler = getattr(self.data_collator, "state_dict", None)
+        if callable(sampler):
+            path = folder / f"collator_rank{rank()}.json"
+            path.write_text(json.dumps(sampler()), encoding="utf-8")
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        super()._load_rng_state(checkpoint)
+        if checkpoint is None:
+            return
+        folder = Path(checkpoint) / MID_TASK_STATE
+        if not folder.is_dir():
+            raise ValueError(
+                f"Trainer checkpoint {checkpoint} has no {MID_TASK_STATE}/ folder with the methods' state; it was not "
+                "written by hf_ccl (or is incomplete): delete it to restart the task from its beginning"
+            )
+        load_method_states(self.methods, folder)
+        path = folder / f"collator_rank{rank()}.json"
+        loader = getattr(self.data_collator, "load_state_dict", None)
+        if callable(loader) and path.exists():
+            try:
+                loader(json.loads(path.read_text(encoding="utf-8")))
+            except (ValueError, KeyError, TypeError) as error:
+                raise ValueError(f"Cannot read the caption sampler state {path}: {error}") from error
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self._term_count and "loss" in logs:

@@ -94,6 +94,16 @@ class CLIPCollator:
             self._rng = random.Random(self.seed if worker is None else f"{self.seed}/worker{worker}")
         return self._rng
 
+    def state_dict(self) -> dict[str, Any]:
+        """The caption sampler's position, so a run resumed mid-task draws the captions it would have drawn."""
+        version, internal, gauss = self._rng.getstate()
+        return {"seed": self.seed, "worker": self._worker, "rng": [version, list(internal), gauss]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        version, internal, gauss = state["rng"]
+        self.seed, self._worker = state["seed"], state["worker"]
+        self._rng.setstate((version, tuple(internal), gauss))
+
     def choose_texts(self, rows: Sequence[Mapping[str, Any]]) -> list[str]:
         """One caption per row: a seeded random one in train mode, the first in eval mode."""
         rng = self._generator() if self.train else None

@@ -190,6 +190,10 @@ class SpatialDisorder:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SpatialDisorder:
+        return cls(**data)
+
 
 def spatial_disorder(
     images_ref: torch.Tensor,

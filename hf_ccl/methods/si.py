@@ -141,6 +141,8 @@ class SI(QuadraticPenaltyMethod):
     def __init__(self, config: MethodConfig | dict[str, Any] | None = None):
         super().__init__(config)
         self.path: PathIntegral | None = None
+        self._model: nn.Module | None = None
+        self._restored_path: dict[str, Any] | None = None
 
     @property
     def strength(self) -> float:
@@ -148,12 +150,42 @@ class SI(QuadraticPenaltyMethod):
 
     def on_task_start(self, context: TaskContext) -> None:
         self.path = None
+        self._restored_path = None
 
     def pre_optimizer_step(self, model: ContinualCLIPModel, context: TaskContext) -> None:
         if self.path is None:
             covered = self.covered_parameters(model)
             self.path = PathIntegral(list(covered), list(covered.values()), {token_embedding_name(model)})
+            self._restore_path()
+        self._model = model
         self.path.record(self._params(model))
+
+    # ----- mid-task state: θ(start of task) and ω so far, so a task resumed from a Trainer checkpoint is exact -----
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self.path is not None and self._model is not None:
+            self.path.close(self._params(self._model))  # the pending step ends at the current parameters
+            state["path"] = {
+                "start": dict(zip(self.path.names, self.path.start, strict=True)),
+                "omega": dict(zip(self.path.names, self.path.omega, strict=True)),
+            }
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.path = None
+        self._restored_path = state.get("path")
+
+    def _restore_path(self) -> None:
+        """Continue a task's path integral from a mid-task checkpoint (see `state_dict`)."""
+        saved, self._restored_path = self._restored_path, None
+        if saved is None:
+            return
+        if set(saved["start"]) != set(self.path.names):
+            raise ValueError("SI mid-task state covers different parameters than the model; resume with the same model")
+        for i, name in enumerate(self.path.names):
+            self.path.start[i].copy_(saved["start"][name])
+            self.path.omega[i].copy_(saved["omega"][name])
 
     def on_task_end(self, context: TaskContext) -> None:
         """Close the last step, add ω / (Δ² + ξ) to Ω, anchor θ* at the current parameters."""
@@ -161,6 +193,7 @@ class SI(QuadraticPenaltyMethod):
         importance = {} if self.path is None else self.path.importance(self._params(model), self.config.xi)
         self.consolidate(model, importance, rule="sum", gamma=1.0)
         self.path = None
+        self._model = None
 
     def _params(self, model: nn.Module) -> list[torch.Tensor]:
         named = dict(model.named_parameters())
