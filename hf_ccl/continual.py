@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate import PartialState
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import (
@@ -51,7 +52,7 @@ from .evaluation.spatial_disorder import (
     plot_spatial_disorder,
     spatial_disorder,
 )
-from .hub import HubPusher, PushReport, download_task_checkpoint, task_branches
+from .hub import HubPusher, PushReport, download_task_checkpoint, ensure_branch, task_branches
 from .methods.base import ContinualMethod, TaskContext
 from .methods.state import load_method_states, save_method_states
 from .modeling import ContinualCLIPModel
@@ -61,6 +62,8 @@ logger = logging.getLogger(__name__)
 
 CHECKPOINT_STATE = "continual_state.json"
 DISORDER_REFERENCE = "spatial_disorder_reference.safetensors"
+#: Branch the Trainer's own pushes go to (`training.push_to_hub`): its latest checkpoint in `last-checkpoint/`.
+TRAINING_BRANCH = "training"
 # TrainingArguments the loop sets itself: a user value would break the run.
 MANAGED_TRAINING_ARGS = ("output_dir", "remove_unused_columns", "eval_strategy", "do_eval")
 
@@ -162,6 +165,7 @@ class ContinualLearner:
         callbacks: list[TrainerCallback] | None = None,
     ):
         validate_stream(stream)
+        PartialState()  # joins the process group now when launched distributed (the Trainer would, later)
         self.callbacks = list(callbacks or [])
         self.model = model
         self.stream = stream
@@ -201,6 +205,14 @@ class ContinualLearner:
             if self.args.spatial_disorder_task is not None and is_main_process():
                 self._disorder_reference = self._embed_for_disorder()
         self.pusher = self._make_pusher()
+        try:
+            self._run_tasks(first_task, last_checkpoint)
+        finally:  # even when a task fails, the finished tasks' pushes complete (bounded by timeouts and retries)
+            if self.pusher is not None:
+                self.push_report = self.pusher.finish()
+        return self.results
+
+    def _run_tasks(self, first_task: int, last_checkpoint: Path | None) -> None:
         bar = tqdm(total=len(self.stream), desc=f"stream {self.stream.name}", disable=not self.args.progress)
         bar.update(first_task)
         for index, task in enumerate(self.stream):
@@ -229,9 +241,6 @@ class ContinualLearner:
                     self.pusher.push(last_checkpoint, index)
             bar.update(1)
         bar.close()
-        if self.pusher is not None:
-            self.push_report = self.pusher.finish()
-        return self.results
 
     # ----- Hub -------------------------------------------------------------------------------------------------
     def _make_pusher(self) -> HubPusher | None:
@@ -357,6 +366,12 @@ class ContinualLearner:
             values.pop("max_steps", None)
         values["seed"] = self.args.seed + context.task_index
         values["disable_tqdm"] = not self.args.progress
+        if values.get("push_to_hub"):  # mid-task checkpoints through the Trainer, on their own branch
+            values.setdefault("hub_model_id", self.args.hub_model_id)
+            values.setdefault("hub_revision", TRAINING_BRANCH)
+            values.setdefault("hub_strategy", "checkpoint")
+            if values["hub_model_id"] is None:
+                raise ValueError("training.push_to_hub needs a repository: set hub_model_id (or training.hub_model_id)")
         return TrainingArguments(
             output_dir=str(self.output_dir / "trainer" / f"task-{context.task_index}"),
             remove_unused_columns=False,
@@ -379,9 +394,13 @@ class ContinualLearner:
             tokenizer=self.tokenizer,
             per_device_batch_size=self._training_arguments(context).per_device_train_batch_size,
         )
+        training_args = self._training_arguments(context)
+        if training_args.push_to_hub and is_main_process():
+            ensure_branch(training_args.hub_model_id, training_args.hub_revision, private=self.args.hub_private_repo,
+                          retries=self.args.hub_retries, backoff=self.args.hub_retry_backoff)
         trainer = ContinualTrainer(
             model=self.model,
-            args=self._training_arguments(context),
+            args=training_args,
             train_dataset=train_dataset,
             data_collator=collator,
             methods=self.methods,

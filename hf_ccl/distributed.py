@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
@@ -17,7 +19,10 @@ def world_size() -> int:
 
 
 def rank() -> int:
-    return dist.get_rank() if is_distributed() else 0
+    """This process's rank; before the process group exists, the launcher's `RANK` (accelerate launch, torchrun)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", 0))
 
 
 def is_main_process() -> bool:

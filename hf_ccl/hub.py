@@ -239,6 +239,15 @@ class HubPusher:
             self.api.create_branch(self.repo_id, branch=branch, revision=commit)
 
 
+def ensure_branch(repo_id: str, branch: str, *, private: bool = False, retries: int = 3, backoff: float = 1.0) -> None:
+    """Create `repo_id` and its `branch` when missing (the Trainer pushes to `hub_revision` but creates neither)."""
+    api = HfApi()
+    with_retries(lambda: api.create_repo(repo_id, private=private, exist_ok=True), retries=retries, backoff=backoff,
+                 what=f"create_repo {repo_id}")
+    with_retries(lambda: api.create_branch(repo_id, branch=branch, exist_ok=True), retries=retries, backoff=backoff,
+                 what=f"create branch {branch}")
+
+
 # ----- finding and fetching task revisions ------------------------------------------------------------------------
 def task_branches(repo_id: str, api: HfApi | None = None) -> dict[int, str]:
     """{task index: branch name} of the `task-<k>` branches of `repo_id` (empty when the repo does not exist)."""

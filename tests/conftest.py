@@ -38,3 +38,13 @@ def shared_data_root():
 @pytest.fixture
 def tiny_model():
     return tiny_clip(seed=0)
+
+
+@pytest.fixture
+def local_hub(tmp_path):
+    """A running local Hub server (repos under tmp_path), with huggingface_hub and transformers pointed at it and a
+    fresh HF cache, for the duration of the test. See hf_ccl.testing.hub_server."""
+    from hf_ccl.testing import LocalHubServer
+
+    with LocalHubServer(tmp_path / "local-hub") as server, server.patch_client(cache_dir=tmp_path / "hf-cache"):
+        yield server

@@ -1,10 +1,37 @@
-"""Helpers for testing pipelines built on hf_ccl: tiny model sizes that train in seconds on a CPU."""
+"""Helpers for testing pipelines built on hf_ccl: tiny model sizes that train in seconds on a CPU, and a local
+Hugging Face Hub server (`LocalHubServer`) to test pushes and downloads without any network.
+
+Importing this package is cheap: torch and transformers are imported only when a tiny model is built, and no server
+starts until asked.
+"""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING, Any
 
-from ..modeling import ContinualCLIPModel, tiny_clip_config
+if TYPE_CHECKING:
+    from ..modeling import ContinualCLIPModel
+    from .hub_server import (
+        FaultPlan,
+        HubStore,
+        LocalHubServer,
+        LoggedRequest,
+        local_hub_endpoint,
+        local_hub_process,
+    )
+
+_HUB_SERVER_NAMES = {"FaultPlan", "HubStore", "LocalHubServer", "LoggedRequest", "local_hub_endpoint", "local_hub_process"}
+
+__all__ = [
+    "TINY_CLIP",
+    "FaultPlan",
+    "HubStore",
+    "LocalHubServer",
+    "LoggedRequest",
+    "local_hub_endpoint",
+    "local_hub_process",
+    "tiny_clip",
+]
 
 #: A 1-layer, 32-wide CLIP on 32 px images with the real 49,408-token vocabulary: trains at dozens of steps/s.
 TINY_CLIP = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "image_size": 32, "patch_size": 8, "projection_dim": 32}
@@ -12,5 +39,18 @@ TINY_CLIP = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "image_size": 3
 
 def tiny_clip(seed: int = 0, **overrides: int) -> ContinualCLIPModel:
     """A seeded random tiny CLIP (TINY_CLIP sizes, overridable)."""
+    import torch
+
+    from ..modeling import ContinualCLIPModel, tiny_clip_config
+
     torch.manual_seed(seed)
     return ContinualCLIPModel(tiny_clip_config(**{**TINY_CLIP, **overrides}))
+
+
+def __getattr__(name: str) -> Any:
+    """The hub server's names, imported on first use (so `python -m hf_ccl.testing.hub_server` runs it once)."""
+    if name in _HUB_SERVER_NAMES:
+        from . import hub_server
+
+        return getattr(hub_server, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

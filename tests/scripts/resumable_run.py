@@ -19,6 +19,7 @@ from transformers import TrainerCallback
 
 from hf_ccl.continual import ContinualArguments, ContinualLearner
 from hf_ccl.data import build_stream, load_image_processor, load_tokenizer
+from hf_ccl.distributed import is_main_process
 from hf_ccl.methods import build_methods
 from hf_ccl.testing import tiny_clip
 
@@ -84,7 +85,8 @@ def main() -> None:
     if learner.push_report is not None:
         payload["pushed"] = [r.task_index for r in learner.push_report.records if r.pushed]
         payload["failed"] = [r.task_index for r in learner.push_report.failed]
-    (Path(options.output_dir) / "final_results.json").write_text(json.dumps(payload), encoding="utf-8")
+    if is_main_process():
+        (Path(options.output_dir) / "final_results.json").write_text(json.dumps(payload), encoding="utf-8")
 
 
 if __name__ == "__main__":

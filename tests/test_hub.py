@@ -1,0 +1,163 @@
+"""Per-task revisions on a Hub (the local server of hf_ccl.testing): pushes, reloads by revision, cards, faults,
+resume from the Hub, and one push per revision under 2 processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from huggingface_hub import HfApi, ModelCard, hf_hub_download
+from transformers import CLIPModel, TrainerCallback
+
+from hf_ccl.testing import FaultPlan
+
+SCRIPT = Path(__file__).parent / "scripts" / "resumable_run.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import resumable_run  # noqa: E402
+
+REPO = "hf-ccl-test/clip-digits"
+
+
+def _run(output_dir: Path, repo: str | None = REPO, resume: bool = False, callbacks=(), **hub):
+    learner = resumable_run.build_learner(str(output_dir), ["er"], resume, repo, list(callbacks))
+    for key, value in hub.items():
+        setattr(learner.args, key, value)
+    return learner, learner.fit()
+
+
+def _matrix(results) -> np.ndarray:
+    return np.array([[m for task in row.metrics.values() for m in task.values()] for row in results.rows])
+
+
+def _commits(server) -> list:
+    return [r for r in server.request_log if r.method == "POST" and "/commit/" in r.path and r.status == 200]
+
+
+def test_three_tasks_push_three_revisions_that_reload_in_plain_transformers(local_hub, tmp_path):
+    learner, results = _run(tmp_path)
+    report = learner.push_report
+    assert [r.task_index for r in report.records if r.pushed] == [0, 1, 2], report.summary()
+    refs = HfApi().list_repo_refs(REPO)
+    branches = {b.name: b.target_commit for b in refs.branches}
+    assert {"main", "task-0", "task-1", "task-2"} <= set(branches)
+    assert branches["main"] == branches["task-2"]
+    assert len(set(branches[f"task-{k}"] for k in range(3))) == 3
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    previous = None
+    for k in range(3):
+        remote = CLIPModel.from_pretrained(REPO, revision=f"task-{k}")
+        local = CLIPModel.from_pretrained(tmp_path / f"task-{k}")
+        with torch.no_grad():
+            remote_embeds = remote.get_image_features(pixel_values=pixels).pooler_output
+            local_embeds = local.get_image_features(pixel_values=pixels).pooler_output
+        torch.testing.assert_close(remote_embeds, local_embeds, rtol=0, atol=0)
+        if previous is not None:
+            assert not torch.allclose(remote_embeds, previous), "each task's revision holds that task's weights"
+        previous = remote_embeds
+        state = json.loads(Path(hf_hub_download(REPO, "continual_state.json", revision=f"task-{k}")).read_text())
+        assert state["task_index"] == k
+        files = set(HfApi().list_repo_files(REPO, revision=f"task-{k}"))
+        assert {"model.safetensors", "method_state.json", "method_state.safetensors", "results.json", "README.md",
+                "tokenizer_config.json", "preprocessor_config.json"} <= files
+    card = ModelCard.load(hf_hub_download(REPO, "README.md", revision="task-1"))
+    assert 'revision="task-1"' in card.text and REPO in card.text
+    row = results.rows[-2]  # after task 1
+    assert f"| after {row.label} |" in card.text
+    assert len(card.data.eval_results) >= 3
+    assert len(_commits(local_hub)) == 3  # one commit per task
+
+
+def test_failing_hub_training_goes_on_and_failed_pushes_land_later(local_hub, tmp_path):
+    """The Hub answers 500 to everything during tasks 0 and 1: training finishes, and the pushes land when it recovers."""
+
+    class Recover(TrainerCallback):
+        tasks = 0
+
+        def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001
+            Recover.tasks += 1
+            if Recover.tasks == 3:
+                local_hub.faults = FaultPlan()
+
+    local_hub.faults = FaultPlan(fail_every=1)
+    learner, results = _run(tmp_path, callbacks=[Recover()], hub_retries=1, hub_retry_backoff=0.01)
+    assert results.num_trained == 3
+    report = learner.push_report
+    assert not report.failed, report.summary()
+    assert all(r.attempts > 1 for r in report.records[:2]), report.summary()
+    branches = {b.name: b.target_commit for b in HfApi().list_repo_refs(REPO).branches}
+    assert branches["main"] == branches["task-2"] and {"task-0", "task-1"} <= set(branches)
+
+
+def test_dropped_requests_still_end_with_every_revision(local_hub, tmp_path):
+    local_hub.faults = FaultPlan(drop_every=3)
+    learner, _ = _run(tmp_path, hub_retry_backoff=0.01, hub_retries=5)
+    assert not learner.push_report.failed, learner.push_report.summary()
+    local_hub.faults = FaultPlan()
+    branches = {b.name for b in HfApi().list_repo_refs(REPO).branches}
+    assert {"main", "task-0", "task-1", "task-2"} <= branches
+    assert any(r.status is None for r in local_hub.request_log), "the server did drop requests"
+
+
+def test_a_hub_that_never_answers_costs_a_bounded_time(local_hub, tmp_path):
+    local_hub.faults = FaultPlan(hang_every=1)
+    started = time.perf_counter()
+    learner, results = _run(tmp_path, hub_timeout=0.5, hub_retries=0)
+    elapsed = time.perf_counter() - started
+    local_hub.faults = FaultPlan()
+    assert results.num_trained == 3
+    assert [r.task_index for r in learner.push_report.failed] == [0, 1, 2]
+    assert elapsed < 120, elapsed
+
+
+def test_resume_from_the_hub_after_losing_the_local_folder(local_hub, tmp_path):
+    reference_dir = tmp_path / "reference"
+    _, expected = _run(reference_dir, repo=None)
+
+    class Crash(TrainerCallback):
+        tasks = 0
+
+        def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001
+            Crash.tasks += 1
+            if Crash.tasks == 3:
+                raise KeyboardInterrupt
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        _run(run_dir, callbacks=[Crash()])
+    assert {"task-0", "task-1"} <= {b.name for b in HfApi().list_repo_refs(REPO).branches}
+    shutil.rmtree(run_dir)  # the machine is gone; only the Hub is left
+    learner, results = _run(run_dir, resume=True)
+    np.testing.assert_allclose(_matrix(results), _matrix(expected), atol=1e-6)
+    assert [r.task_index for r in learner.push_report.records] == [2]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.multiprocess
+def test_two_processes_push_once_per_revision(local_hub, tmp_path):
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", str(_free_port()), str(SCRIPT), str(tmp_path), "er", "--hub-model-id", REPO,
+    ]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    payload = json.loads((tmp_path / "final_results.json").read_text())
+    assert payload["pushed"] == [0, 1, 2] and payload["failed"] == []
+    assert len(_commits(local_hub)) == 3
+    creates = [r for r in local_hub.request_log if r.method == "POST" and r.path.endswith("/branch/task-1")]
+    assert len(creates) == 1
