@@ -127,6 +127,9 @@ def validate_training_args(training: dict[str, Any]) -> None:
             f"Unknown training option(s) {unknown}; valid options are the fields of transformers.TrainingArguments, "
             f"e.g. num_train_epochs, max_steps, per_device_train_batch_size, learning_rate, warmup_steps, weight_decay"
         )
+    if "hub_token" in training:
+        raise ValueError("Do not put a Hub token in the config (it would be saved with the run): remove "
+                         "training.hub_token and set HF_TOKEN or run `hf auth login`")
     managed = sorted(set(training) & set(MANAGED_TRAINING_ARGS))
     if managed:
         raise ValueError(f"Training option(s) {managed} are set by hf_ccl itself; remove them from the config")

@@ -161,3 +161,20 @@ def test_two_processes_push_once_per_revision(local_hub, tmp_path):
     assert len(_commits(local_hub)) == 3
     creates = [r for r in local_hub.request_log if r.method == "POST" and r.path.endswith("/branch/task-1")]
     assert len(creates) == 1
+
+
+def test_trainer_pushes_mid_task_checkpoints_to_the_training_branch(local_hub, tmp_path):
+    learner = resumable_run.build_learner(str(tmp_path), ["finetune"], False, REPO, [])
+    learner.args.training.update(push_to_hub=True)
+    learner.fit()
+    files = set(HfApi().list_repo_files(REPO, revision="training"))
+    assert "last-checkpoint/trainer_state.json" in files
+    assert "last-checkpoint/hf_ccl/method_state.json" in files
+    assert "last-checkpoint/hf_ccl/collator_rank0.json" in files
+
+
+def test_a_token_in_the_config_is_refused(tmp_path):
+    from hf_ccl.continual import ContinualArguments
+
+    with pytest.raises(ValueError, match="HF_TOKEN"):
+        ContinualArguments(output_dir=str(tmp_path), training={"hub_token": "hf_secret"})
