@@ -17,6 +17,7 @@ the interrupted task itself resumes from its last one. A finished task is never 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -40,9 +41,10 @@ from transformers.trainer_utils import get_last_checkpoint, load_sharded_checkpo
 
 from . import __version__
 from .cards import write_model_card
+from .compute import TaskCompute, forward_macs_per_sample, load_compute, save_compute, task_compute
 from .data.collate import CLIPCollator
 from .data.task import CANONICAL_COLUMNS, TaskStream
-from .distributed import barrier, is_main_process
+from .distributed import barrier, is_main_process, world_size
 from .evaluation.evaluator import evaluate_task, iter_column
 from .evaluation.matrix import ResultsMatrix
 from .evaluation.spatial_disorder import (
@@ -64,6 +66,7 @@ CHECKPOINT_STATE = "continual_state.json"
 DISORDER_REFERENCE = "spatial_disorder_reference.safetensors"
 #: Branch the Trainer's own pushes go to (`training.push_to_hub`): its latest checkpoint in `last-checkpoint/`.
 TRAINING_BRANCH = "training"
+WARMUP_RULES = ("every_task", "first_task")
 # TrainingArguments the loop sets itself: a user value would break the run.
 MANAGED_TRAINING_ARGS = ("output_dir", "remove_unused_columns", "eval_strategy", "do_eval")
 
@@ -96,6 +99,20 @@ class ContinualArguments:
         },
     )
 
+    samples_per_task: int | None = field(
+        default=None,
+        metadata={
+            "help": "Compute budget C: training examples seen per task (optimizer steps x global batch), the same for "
+            "every task and strategy (TiC-CLIP); sets max_steps. None: epochs decide."
+        },
+    )
+    warmup: str = field(
+        default="every_task",
+        metadata={
+            "help": "'every_task': training.warmup_steps on every task; 'first_task': only on the first task (TiC-CLIP: "
+            "warm-started tasks use none; from-scratch strategies keep it)."
+        },
+    )
     resume_from_checkpoint: bool | str | None = field(
         default=None,
         metadata={
@@ -114,6 +131,16 @@ class ContinualArguments:
 
     def __post_init__(self) -> None:
         validate_training_args(self.training)
+        if self.warmup not in WARMUP_RULES:
+            raise ValueError(f"warmup must be one of {list(WARMUP_RULES)}, got {self.warmup!r}")
+        if self.samples_per_task is not None:
+            if self.samples_per_task <= 0:
+                raise ValueError(f"samples_per_task must be > 0, got {self.samples_per_task}")
+            if self.first_task_epochs is not None:
+                raise ValueError("samples_per_task fixes every task's compute: leave first_task_epochs unset")
+            budgeted = sorted({"max_steps", "num_train_epochs"} & set(self.training))
+            if budgeted:
+                raise ValueError(f"samples_per_task sets each task's max_steps: remove training option(s) {budgeted}")
         if isinstance(self.resume_from_checkpoint, str) and self.resume_from_checkpoint.lower() in ("true", "false"):
             self.resume_from_checkpoint = self.resume_from_checkpoint.lower() == "true"
 
@@ -188,6 +215,7 @@ class ContinualLearner:
         self._disorder_reference: DisorderEmbeddings | None = None
         self.pusher: HubPusher | None = None
         self.push_report: PushReport | None = None
+        self.compute: list[TaskCompute] = []  # samples seen and MACs per trained task
 
     @property
     def max_length(self) -> int:
@@ -229,10 +257,20 @@ class ContinualLearner:
                 model=self.model,
                 output_dir=self.output_dir,
                 seed=self.args.seed + index,
-                extras={"last_checkpoint": str(last_checkpoint) if last_checkpoint else None},
+                extras={
+                    "last_checkpoint": str(last_checkpoint) if last_checkpoint else None,
+                    "tokenizer": self.tokenizer,
+                    "image_processor": self.image_processor,
+                    "base_training": dict(self.args.training),  # as configured, before budget and warmup rules
+                    "samples_per_task": self.args.samples_per_task,
+                },
             )
             self._start_task(context)
             self._train_task(context)
+            for method in self.methods:
+                deployed = method.after_training(context)
+                if deployed is not None:
+                    self.model = context.model = deployed
             self.results.add_row(task.name, self.evaluate())
             if self._disorder_reference is not None:
                 self._measure_disorder(task.name)
@@ -328,6 +366,7 @@ class ContinualLearner:
             self.results = ResultsMatrix.load(folder)
         except (OSError, ValueError, KeyError) as error:
             raise ValueError(f"Cannot read the results matrix in {folder}: {error}") from error
+        self.compute = load_compute(folder)
         trained = [row.label for row in self.results.rows if row.label != "initial"]
         if len(trained) != index + 1:
             raise ValueError(f"{folder} holds {len(trained)} trained rows in results.json, expected {index + 1}")
@@ -367,6 +406,13 @@ class ContinualLearner:
         if context.task_index == 0 and self.args.first_task_epochs is not None:
             values["num_train_epochs"] = self.args.first_task_epochs
             values.pop("max_steps", None)
+        if self.args.samples_per_task is not None:
+            values["max_steps"] = self._budget_steps(values)
+            values["dataloader_drop_last"] = True  # every step sees a full global batch: samples seen = budget
+        if self.args.warmup == "first_task" and context.task_index > 0:
+            values["warmup_steps"] = 0
+        for method in self.methods:
+            values.update(method.training_overrides(context, dict(values)))
         values["seed"] = self.args.seed + context.task_index
         values["disable_tqdm"] = not self.args.progress
         if values.get("push_to_hub"):  # mid-task checkpoints through the Trainer, on their own branch
@@ -381,6 +427,17 @@ class ContinualLearner:
             eval_strategy="no",
             **values,
         )
+
+    def _budget_steps(self, values: dict[str, Any]) -> int:
+        """Optimizer steps that spend exactly `samples_per_task` examples at this run's global batch."""
+        batch = global_batch_size(values)
+        steps, rest = divmod(self.args.samples_per_task, batch)
+        if rest or steps == 0:
+            raise ValueError(
+                f"samples_per_task={self.args.samples_per_task} is not a positive multiple of the global batch {batch} "
+                "(per_device_train_batch_size x processes x gradient_accumulation_steps): change one of them"
+            )
+        return steps
 
     def _train_task(self, context: TaskContext) -> None:
         collator = CLIPCollator(
@@ -410,8 +467,22 @@ class ContinualLearner:
             context=context,
             callbacks=self.callbacks,
         )
+        macs_per_sample = self._forward_macs(collator, train_dataset)
         trainer.train(resume_from_checkpoint=self._mid_task_checkpoint(trainer.args.output_dir))
         context.extras["log_history"] = trainer.state.log_history
+        self.compute.append(task_compute(
+            context.task.name, trainer.state.global_step, global_batch_size(trainer.args.to_dict()), macs_per_sample,
+            sum(method.extra_forward_passes for method in self.methods),
+        ))
+
+    def _forward_macs(self, collator: CLIPCollator, dataset: Any) -> float:
+        """Forward MACs per example of the model being trained, measured on two training examples (the collator's
+        sampler state is restored, so measuring changes nothing)."""
+        state = collator.state_dict()
+        rows = list(itertools.islice(iter(dataset), 2))  # map-style or streaming (IterableDataset)
+        batch = collator(rows)
+        collator.load_state_dict(state)
+        return forward_macs_per_sample(self.model, batch)
 
     def _mid_task_checkpoint(self, trainer_dir: str) -> str | None:
         """The interrupted task's last Trainer checkpoint when resuming (it needs `save_strategy`), else None."""
@@ -476,6 +547,7 @@ class ContinualLearner:
             self.image_processor.save_pretrained(partial)  # preprocessor_config.json too, for older transformers
             save_method_states(self.methods, partial)
             self.results.save(partial)
+            save_compute(self.compute, partial)
             self._save_disorder(partial)
             if self._disorder_reference is not None:
                 reference = self._disorder_reference
@@ -500,6 +572,7 @@ class ContinualLearner:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(partial, final)
             self.results.save(self.output_dir)
+            save_compute(self.compute, self.output_dir)
             self._save_disorder(self.output_dir)
         barrier()
         return final
@@ -552,3 +625,10 @@ def _read_json(path: Path) -> dict[str, Any]:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as error:
         raise ValueError(f"Cannot read {path} (truncated or corrupt?): {error}") from error
+
+
+def global_batch_size(training: dict[str, Any]) -> int:
+    """Examples per optimizer step over all processes."""
+    per_device = int(training.get("per_device_train_batch_size", 8))
+    accumulation = int(training.get("gradient_accumulation_steps", 1))
+    return per_device * accumulation * world_size()

@@ -4,8 +4,10 @@
 |------------------------|------------------------------------------------------------------------|
 | `on_task_start`        | change the model before a task (vocabulary growth, adapters, heads)    |
 | `train_dataset`        | transform the data a task trains on (replay, joint training)           |
+| `training_overrides`   | change this task's TrainingArguments (Oracle's larger budget, warmup)  |
 | `loss_terms`           | extra named loss terms, added to the contrastive loss and logged       |
 | `pre_optimizer_step`   | edit gradients between backward and the optimizer step (projection)    |
+| `after_training`       | change the trained model before it is evaluated (weight patching)     |
 | `on_task_end`          | update method state after a task (teachers, Fisher, buffers)           |
 | `metrics`              | diagnostics logged beside the loss terms (not added to the loss)       |
 | `state_dict` / `load_state_dict` | what must survive a restart, saved beside each task checkpoint |
@@ -73,6 +75,9 @@ class ContinualMethod:
 
     name: ClassVar[str] = ""
     config_class: ClassVar[type[MethodConfig]] = MethodConfig
+    #: Forward passes of other models per training example (frozen teachers, momentum encoders), for the MACs
+    #: estimate of `hf_ccl.compute`.
+    extra_forward_passes: ClassVar[float] = 0.0
 
     def __init__(self, config: MethodConfig | dict[str, Any] | None = None):
         if config is None or isinstance(config, dict):
@@ -89,6 +94,11 @@ class ContinualMethod:
         """The dataset this task trains on (default: the task's own train split)."""
         return dataset
 
+    def training_overrides(self, context: TaskContext, training: dict[str, Any]) -> dict[str, Any]:
+        """TrainingArguments fields to change for this task, given the ones the loop would use (`training`, which
+        already holds `max_steps` when the run has a compute budget). Return only the changed fields."""
+        return {}
+
     def loss_terms(
         self,
         model: ContinualCLIPModel,
@@ -101,6 +111,11 @@ class ContinualMethod:
 
     def pre_optimizer_step(self, model: ContinualCLIPModel, context: TaskContext) -> None:
         """Edit `p.grad` of the model's parameters before the optimizer steps (after clipping)."""
+
+    def after_training(self, context: TaskContext) -> ContinualCLIPModel | None:
+        """Called after a task has trained, before it is evaluated: return a new model to deploy (and to evaluate,
+        save and continue from) instead of `context.model`, or None."""
+        return None
 
     def on_task_end(self, context: TaskContext) -> None:
         """Called after a task has trained and been evaluated, before its checkpoint is written.

@@ -135,6 +135,7 @@ class CTP(ContinualMethod):
     preservation against the previous-task model. Loss terms: `cmc`, `topology_cross`, `topology_same`."""
 
     name = "ctp"
+    extra_forward_passes = 2.0  # the momentum model and the previous-task model
     config_class = CTPConfig
     config: CTPConfig
 

@@ -1,0 +1,82 @@
+"""Compute accounting: samples seen per task and an estimate of the multiply-accumulates (MACs) they cost.
+
+TiC-CLIP gives every strategy the same compute per time step and counts it in MACs, which for a fixed model are
+proportional to samples seen (specs/ticclip.md §1.5: MACs ≈ 2.1e10 × samples for ViT-B/16). We count both:
+
+    samples seen   = optimizer steps × global batch (exact; what the budget `samples_per_task` fixes)
+    MACs estimate  = samples seen × forward MACs per sample × (3 + extra forward passes)
+
+The forward MACs per sample are measured once per task with `torch.utils.flop_counter.FlopCounterMode` on a real
+training batch (FLOPs / 2); a training step costs about 3 forward passes (forward + backward, the usual estimate);
+methods that run frozen models add their forward passes (`ContinualMethod.extra_forward_passes`: LwF and Mod-X 1,
+CTP 2), which is how TiC-CLIP arrives at 1.2x for LwF.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+COMPUTE_FILE = "compute.json"
+BACKWARD_FACTOR = 3.0  # forward + backward ≈ 3 forward passes
+
+
+@dataclass
+class TaskCompute:
+    """Compute spent on one task."""
+
+    task: str
+    optimizer_steps: int
+    global_batch: int
+    samples_seen: int
+    forward_macs_per_sample: float
+    forward_passes_per_sample: float
+    macs: float
+
+
+def forward_macs_per_sample(model: torch.nn.Module, batch: dict[str, Any]) -> float:
+    """MACs of one forward pass of `model` on `batch`, per example (measured, not modelled)."""
+    inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "pixel_values") if key in batch}
+    count = len(inputs["pixel_values"])
+    was_training = model.training
+    model.eval()
+    counter = FlopCounterMode(display=False)
+    try:
+        with torch.no_grad(), counter:
+            model(**inputs)
+    finally:
+        model.train(was_training)
+    return counter.get_total_flops() / 2.0 / count
+
+
+def task_compute(
+    task: str, optimizer_steps: int, global_batch: int, macs_per_sample: float, extra_forward_passes: float
+) -> TaskCompute:
+    samples = optimizer_steps * global_batch
+    passes = BACKWARD_FACTOR + extra_forward_passes
+    return TaskCompute(task, optimizer_steps, global_batch, samples, macs_per_sample, passes,
+                       samples * macs_per_sample * passes)
+
+
+def save_compute(records: list[TaskCompute], directory: str | Path) -> None:
+    payload = {
+        "tasks": [asdict(record) for record in records],
+        "total_samples_seen": sum(record.samples_seen for record in records),
+        "total_macs": sum(record.macs for record in records),
+    }
+    (Path(directory) / COMPUTE_FILE).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+
+
+def load_compute(directory: str | Path) -> list[TaskCompute]:
+    path = Path(directory) / COMPUTE_FILE
+    if not path.exists():
+        return []
+    try:
+        return [TaskCompute(**record) for record in json.loads(path.read_text(encoding="utf-8"))["tasks"]]
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"Cannot read {path} (truncated or corrupt?): {error}") from error
