@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 from accelerate import PartialState
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import (
@@ -58,7 +60,7 @@ from .hub import HubPusher, PushReport, download_task_checkpoint, ensure_branch,
 from .methods.base import ContinualMethod, TaskContext
 from .methods.state import load_method_states, save_method_states
 from .modeling import ContinualCLIPModel
-from .trainer import ContinualTrainer
+from .trainer import MID_TASK_STATE, ContinualTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -468,7 +470,7 @@ class ContinualLearner:
             callbacks=self.callbacks,
         )
         macs_per_sample = self._forward_macs(collator, train_dataset)
-        trainer.train(resume_from_checkpoint=self._mid_task_checkpoint(trainer.args.output_dir))
+        trainer.train(resume_from_checkpoint=self._mid_task_checkpoint(trainer.args, context.task_index))
         context.extras["log_history"] = trainer.state.log_history
         self.compute.append(task_compute(
             context.task.name, trainer.state.global_step, global_batch_size(trainer.args.to_dict()), macs_per_sample,
@@ -484,11 +486,40 @@ class ContinualLearner:
         collator.load_state_dict(state)
         return forward_macs_per_sample(self.model, batch)
 
-    def _mid_task_checkpoint(self, trainer_dir: str) -> str | None:
-        """The interrupted task's last Trainer checkpoint when resuming (it needs `save_strategy`), else None."""
-        if self.args.resume_from_checkpoint in (None, False) or not Path(trainer_dir).is_dir():
+    def _mid_task_checkpoint(self, training_args: TrainingArguments, task_index: int) -> str | None:
+        """The interrupted task's last Trainer checkpoint when resuming (it needs `save_strategy`): the local one,
+        else (with `training.push_to_hub`) the `last-checkpoint/` the Trainer pushed to the `training` branch, when
+        it belongs to this task. None: the task starts from its beginning."""
+        if self.args.resume_from_checkpoint in (None, False):
             return None
-        return get_last_checkpoint(trainer_dir)
+        trainer_dir = Path(training_args.output_dir)
+        found = get_last_checkpoint(str(trainer_dir)) if trainer_dir.is_dir() else None
+        if found is None and training_args.push_to_hub:
+            found = self._download_training_checkpoint(training_args, trainer_dir, task_index)
+        if found is not None:
+            owner = _read_json(Path(found) / MID_TASK_STATE / "task.json").get("task_index")
+            if owner != task_index:
+                raise ValueError(f"Trainer checkpoint {found} was written during task {owner}, not task {task_index}")
+        return found
+
+    def _download_training_checkpoint(
+        self, training_args: TrainingArguments, trainer_dir: Path, task_index: int
+    ) -> str | None:
+        """Fetch `last-checkpoint/` from the Trainer's Hub branch into trainer_dir (main process; others wait); None
+        when there is none or it was written during another (earlier) task."""
+        target = trainer_dir / "checkpoint-hub"
+        if is_main_process():
+            try:
+                snapshot_download(training_args.hub_model_id, revision=training_args.hub_revision,
+                                  allow_patterns=["last-checkpoint/*"], local_dir=str(target))
+            except (RepositoryNotFoundError, RevisionNotFoundError):
+                pass
+        barrier()
+        folder = target / "last-checkpoint"
+        if not (folder / MID_TASK_STATE).is_dir():
+            return None
+        task = _read_json(folder / MID_TASK_STATE / "task.json").get("task_index")
+        return str(folder) if task == task_index else None
 
     # ----- evaluation and checkpoints ---------------------------------------------------------------------
     def evaluate(self) -> dict[str, dict[str, float]]:

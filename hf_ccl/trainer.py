@@ -126,6 +126,9 @@ class ContinualTrainer(Trainer):
         folder.mkdir(parents=True, exist_ok=True)
         if is_main_process():
             save_method_states(self.methods, folder)
+            task = {"task_index": None if self.context is None else self.context.task_index,
+                    "task_name": None if self.context is None else self.context.task.name}
+            (folder / "task.json").write_text(json.dumps(task), encoding="utf-8")
         sampler = getattr(self.data_collator, "state_dict", None)
         if callable(sampler):
             path = folder / f"collator_rank{rank()}.json"

@@ -178,3 +178,31 @@ def test_a_token_in_the_config_is_refused(tmp_path):
 
     with pytest.raises(ValueError, match="HF_TOKEN"):
         ContinualArguments(output_dir=str(tmp_path), training={"hub_token": "hf_secret"})
+
+
+def test_mid_task_resume_from_the_trainer_checkpoint_on_the_hub(local_hub, tmp_path):
+    """The machine dies mid-task and its disk is lost: the task resumes from the Trainer's pushed last-checkpoint."""
+    reference_dir = tmp_path / "reference"
+    _, expected = _run(reference_dir, repo=None)
+
+    class Crash(resumable_run.KillAt):
+        def on_save(self, args, state, control, **kwargs):  # noqa: ANN001
+            if self.task_seen == self.task and state.global_step >= self.step:
+                raise KeyboardInterrupt
+
+    def run(resume: bool, callbacks=()):
+        learner = resumable_run.build_learner(str(run_dir), ["er"], resume, REPO, list(callbacks))
+        learner.args.training.update(push_to_hub=True, hub_strategy="checkpoint")
+        return learner, learner.fit()
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        run(False, [Crash([], task=1, step=3)])
+    deadline = time.monotonic() + 30  # the Trainer pushes checkpoints in the background (run_as_future)
+    while "last-checkpoint/hf_ccl/task.json" not in set(HfApi().list_repo_files(REPO, revision="training")):
+        assert time.monotonic() < deadline, "the Trainer never pushed its checkpoint"
+        time.sleep(0.2)
+    shutil.rmtree(run_dir)
+    learner, results = run(True)
+    assert (run_dir / "trainer" / "task-1" / "checkpoint-hub" / "last-checkpoint").is_dir()
+    np.testing.assert_allclose(_matrix(results), _matrix(expected), atol=1e-6)
