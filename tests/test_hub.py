@@ -206,3 +206,17 @@ def test_mid_task_resume_from_the_trainer_checkpoint_on_the_hub(local_hub, tmp_p
     learner, results = run(True)
     assert (run_dir / "trainer" / "task-1" / "checkpoint-hub" / "last-checkpoint").is_dir()
     np.testing.assert_allclose(_matrix(results), _matrix(expected), atol=1e-6)
+
+
+def test_an_unreachable_hub_loses_nothing_but_the_pushes(tmp_path):
+    """Nothing listens at the endpoint: every task still trains, checkpoints stay local, the report lists the pushes."""
+    from hf_ccl.testing import local_hub_endpoint
+
+    port = _free_port()  # bound and released: connections are refused
+    with local_hub_endpoint(f"http://127.0.0.1:{port}", cache_dir=tmp_path / "cache"):
+        learner, results = _run(tmp_path / "run", hub_retries=1, hub_retry_backoff=0.01, hub_timeout=2)
+    assert results.num_trained == 3
+    assert [r.task_index for r in learner.push_report.failed] == [0, 1, 2]
+    assert all("Connect" in r.error or "connect" in r.error for r in learner.push_report.failed), \
+        learner.push_report.summary()
+    assert all((tmp_path / "run" / f"task-{k}" / "model.safetensors").exists() for k in range(3))
