@@ -29,7 +29,12 @@ from hf_ccl.methods import build_methods
 from hf_ccl.testing import tiny_clip
 
 METHODS = "finetune,joint,modx,ctp,lwf,ewc,si,mas,er,derpp,modx+er,ctp+er"
-MODEL = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "projection_dim": 64}
+SIZES = {
+    "default": {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "projection_dim": 64, "image_size": 32},
+    # 8M parameters besides the token embedding, at the bundled images' full 64 px
+    "medium": {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "projection_dim": 128, "image_size": 64,
+               "patch_size": 8},
+}
 
 
 class StepLog(TrainerCallback):
@@ -75,8 +80,8 @@ def run_method(spec: str, seed: int, stream, tokenizer, args, output_dir: Path) 
     names = spec.split("+")
     log = StepLog()
     learner = ContinualLearner(
-        tiny_clip(seed=seed, **MODEL), stream, build_methods(names, method_args(names, args.buffer_size)),
-        load_image_processor(32), tokenizer,
+        tiny_clip(seed=seed, **SIZES[args.size]), stream, build_methods(names, method_args(names, args.buffer_size)),
+        load_image_processor(SIZES[args.size]["image_size"]), tokenizer,
         ContinualArguments(
             output_dir=str(output_dir / spec), save_checkpoints=False, progress=False, seed=seed,
             first_task_epochs=args.first_epochs,
@@ -141,8 +146,9 @@ def write_tables(runs: list[dict], stream, args, path: Path) -> list[dict]:
         "",
         f"Command: `python benchmarks/forgetting.py --stream {stream.name} --methods {args.methods} "
         f"--train-per-task {args.train_per_task} --eval-per-task {args.eval_per_task} --epochs {args.epochs} "
-        f"--first-epochs {args.first_epochs} --batch-size {args.batch_size} --seeds {args.seeds}`  ",
-        f"Model: random CLIP {MODEL} at 32 px with the real CLIP vocabulary, pretrained on the first task for "
+        f"--first-epochs {args.first_epochs} --batch-size {args.batch_size} --size {args.size} --seeds {args.seeds}`  ",
+        f"Model: random CLIP {SIZES[args.size]} (`--size {args.size}`) with the real CLIP vocabulary, pretrained on "
+        "the first task for "
         f"{args.first_epochs} epochs; {args.epochs} epochs on each later task; replay buffers {args.buffer_size} "
         f"pairs. Tasks: {', '.join(stream.task_names)}. Headline metric per task: R_mean for captioned tasks, "
         "zero-shot accuracy for class tasks (%). R@1 = mean of i2t and t2i Recall@1 (%), captioned tasks only. "
@@ -195,6 +201,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--buffer-size", type=int, default=100)
+    parser.add_argument("--size", default="default", choices=sorted(SIZES))
     parser.add_argument("--seeds", default="0", help="comma-separated seeds; the table shows mean ± std")
     parser.add_argument("--output", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()

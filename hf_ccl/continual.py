@@ -45,6 +45,7 @@ from . import __version__
 from .cards import write_model_card
 from .compute import TaskCompute, forward_macs_per_sample, load_compute, save_compute, task_compute
 from .data.collate import CLIPCollator
+from .data.streaming import column_names, is_empty, is_streaming, whole_batches
 from .data.task import CANONICAL_COLUMNS, TaskStream
 from .distributed import barrier, is_main_process, world_size
 from .evaluation.evaluator import evaluate_task, iter_column
@@ -164,20 +165,41 @@ def validate_training_args(training: dict[str, Any]) -> None:
         raise ValueError(f"Training option(s) {managed} are set by hf_ccl itself; remove them from the config")
 
 
-def validate_stream(stream: TaskStream) -> None:
-    """Empty streams, empty tasks and non-canonical datasets fail here, before any training."""
+def validate_stream(stream: TaskStream, args: ContinualArguments | None = None) -> None:
+    """Empty streams, empty tasks and non-canonical datasets fail here, before any training. A streaming train split
+    (`datasets.IterableDataset`) is checked by its features or first row, never read whole; with `args`, a stream
+    of such tasks needs a compute budget (a stream has no length, so no epochs)."""
     if len(stream) == 0:
         raise ValueError(f"Stream {stream.name!r} has no tasks")
     for index, task in enumerate(stream):
         for split_name, dataset in (("train", task.train), ("eval", task.eval)):
-            missing = [c for c in CANONICAL_COLUMNS if c not in dataset.column_names]
-            if missing:
+            where = f"Stream {stream.name!r}, task {index} ({task.name!r})"
+            columns = column_names(dataset)  # a stream without known features: its first row's (none when empty)
+            missing = [c for c in CANONICAL_COLUMNS if c not in columns]
+            if missing and (columns or not is_streaming(dataset)):
                 raise ValueError(
-                    f"Stream {stream.name!r}, task {index} ({task.name!r}), {split_name} split: missing column(s) "
-                    f"{missing}; it has {dataset.column_names}. Build tasks with hf_ccl.data builders."
+                    f"{where}, {split_name} split: missing column(s) {missing}; it has {columns}. Build tasks with "
+                    "hf_ccl.data builders."
                 )
-            if len(dataset) == 0:
-                raise ValueError(f"Stream {stream.name!r}, task {index} ({task.name!r}): the {split_name} split is empty")
+            if is_empty(dataset):
+                raise ValueError(f"{where}: the {split_name} split is empty")
+        if args is not None and is_streaming(task.train):
+            _check_streaming_budget(args.training, args.samples_per_task, args.first_task_epochs, index, task.name)
+
+
+def _check_streaming_budget(
+    training: dict[str, Any], samples_per_task: int | None, first_task_epochs: float | None, index: int, name: str
+) -> None:
+    """A streaming task trains for a fixed number of steps: `samples_per_task` or `training.max_steps` (and not the
+    first task's epochs)."""
+    if samples_per_task is not None:
+        return
+    if int(training.get("max_steps", -1)) > 0 and not (index == 0 and first_task_epochs is not None):
+        return
+    raise ValueError(
+        f"Task {index} ({name!r}) trains on a stream (an IterableDataset has no length, so no epochs): streaming "
+        "tasks need samples_per_task or training.max_steps (and no first_task_epochs)"
+    )
 
 
 class ContinualLearner:
@@ -196,7 +218,7 @@ class ContinualLearner:
         args: ContinualArguments,
         callbacks: list[TrainerCallback] | None = None,
     ):
-        validate_stream(stream)
+        validate_stream(stream, args)
         PartialState()  # joins the process group now when launched distributed (the Trainer would, later)
         self.callbacks = list(callbacks or [])
         self.model = model
@@ -265,6 +287,8 @@ class ContinualLearner:
                     "image_processor": self.image_processor,
                     "base_training": dict(self.args.training),  # as configured, before budget and warmup rules
                     "samples_per_task": self.args.samples_per_task,
+                    "max_length": self.max_length,
+                    "eval_batch_size": self.args.eval_batch_size,
                 },
             )
             self._start_task(context)
@@ -391,9 +415,23 @@ class ContinualLearner:
         dataset = context.task.train
         for method in self.methods:
             dataset = method.train_dataset(context, dataset)
-        if len(dataset) == 0:
-            raise ValueError(f"Task {context.task_index} ({context.task.name!r}) has no training examples")
+        if is_streaming(dataset):
+            dataset = self._streaming_train_dataset(context, dataset)
+        if is_empty(dataset):  # a stream (IterableDataset) is read up to its first row (or first whole batch)
+            raise ValueError(f"Task {context.task_index} ({context.task.name!r}) has no training examples" + (
+                " (a stream must hold at least one whole global batch)" if is_streaming(dataset) else ""))
         return dataset
+
+    def _streaming_train_dataset(self, context: TaskContext, dataset: Any) -> Any:
+        """A stream trains for `max_steps`; with `dataloader_drop_last` (set by the budget) each pass keeps only
+        whole global batches, which the Trainer does not do for an IterableDataset, so samples seen = the budget."""
+        args = self._training_arguments(context)
+        if args.max_steps <= 0:
+            raise ValueError(
+                f"Task {context.task_index} ({context.task.name!r}) trains on a stream (an IterableDataset has no "
+                "length, so no epochs): streaming tasks need samples_per_task or training.max_steps"
+            )
+        return whole_batches(dataset, global_batch_size(args.to_dict())) if args.dataloader_drop_last else dataset
 
     def _training_arguments(self, context: TaskContext) -> TrainingArguments:
         values: dict[str, Any] = {

@@ -117,6 +117,9 @@ def test_resume_with_other_methods_or_nothing_to_resume_fails(reference, tmp_pat
 def test_every_method_resumes_exactly_after_a_task(tmp_path, method):
     """Each registered method's saved state is complete: resuming after task 0 gives the uninterrupted matrix."""
     training = {"num_train_epochs": 1, "per_device_train_batch_size": 16, "learning_rate": 1e-3}
+    budget = None
+    if method == "oracle":  # t x C needs a compute budget C
+        training, budget = {"per_device_train_batch_size": 16, "learning_rate": 1e-3}, 32
 
     def run(output_dir: Path, resume: bool):
         from hf_ccl.continual import ContinualArguments, ContinualLearner
@@ -127,7 +130,7 @@ def test_every_method_resumes_exactly_after_a_task(tmp_path, method):
         stream = build_stream("digits", max_train_per_task=32, max_eval_per_task=16)
         stream.tasks = stream.tasks[:2]
         args = ContinualArguments(output_dir=str(output_dir), training=training, progress=False, seed=1,
-                                  resume_from_checkpoint=True if resume else None)
+                                  samples_per_task=budget, resume_from_checkpoint=True if resume else None)
         learner = ContinualLearner(tiny_clip(seed=1), stream,
                                    build_methods([method], resumable_run.METHOD_ARGS.get(method) and
                                                  {method: resumable_run.METHOD_ARGS[method]}),

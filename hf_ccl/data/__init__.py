@@ -9,6 +9,7 @@ from .builders import (
     resolve_class_names,
     stream_by_class,
     stream_by_column,
+    stream_by_time,
     stream_from_datasets,
     stream_random_split,
     to_canonical,
@@ -17,6 +18,7 @@ from .builders import (
 from .collate import CLIPCollator, load_image_processor, load_tokenizer, stable_hash
 from .images import CorruptImageError, decode_image
 from .named import DIGIT_CLASS_NAMES, NAMED_STREAMS, build_stream, describe_streams, digits_dataset
+from .streaming import column_names, is_empty, is_streaming, peek, to_streaming
 from .task import CANONICAL_COLUMNS, Task, TaskKind, TaskStream
 from .templates import benchmark_templates, format_template
 
@@ -35,19 +37,25 @@ __all__ = [
     "benchmark_templates",
     "build_stream",
     "check_columns",
+    "column_names",
     "decode_image",
     "describe_streams",
     "digits_dataset",
     "format_template",
+    "is_empty",
+    "is_streaming",
     "load_image_processor",
     "load_split",
     "load_tokenizer",
+    "peek",
     "resolve_class_names",
     "stable_hash",
     "stream_by_class",
     "stream_by_column",
+    "stream_by_time",
     "stream_from_datasets",
     "stream_random_split",
     "to_canonical",
+    "to_streaming",
     "validate_images",
 ]

@@ -22,13 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from datasets import ClassLabel, Dataset, DatasetDict, Features, List, Value, load_dataset
+from datasets import ClassLabel, Dataset, DatasetDict, Features, IterableDataset, List, Value, load_dataset
 from datasets import Image as ImageFeature
 from datasets.utils import disable_progress_bars, enable_progress_bars, is_progress_bar_enabled
 
 from .images import decode_image
+from .streaming import DEFAULT_SHUFFLE_BUFFER, column_names, shuffled, to_streaming
 from .task import Task, TaskKind, TaskStream
 from .templates import format_template
+from .timesteps import TimeSteps, column_kind
 
 DatasetSource = Dataset | DatasetDict | str | os.PathLike
 DEFAULT_TRAIN_TEMPLATES = ("a photo of a {label}.",)
@@ -141,6 +143,7 @@ class _Resolved:
     class_names: list[str] | None
     where: dict[str, Any] = field(default_factory=dict)
     rows: dict[str, np.ndarray] = field(default_factory=dict)  # role -> restriction to these rows
+    id_column: str | None = None  # image ids from this column's values instead of row numbers
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -327,10 +330,14 @@ def _to_canonical(
     spec: TextSpec,
     class_names: Sequence[str] | None,
     indices: Sequence[int] | np.ndarray | None = None,
+    id_column: str | None = None,
 ) -> Dataset:
-    check_columns(dataset, [spec.image_column, spec.source_column], source=source, split=split)
+    id_columns = [id_column] if id_column is not None else []
+    check_columns(dataset, [spec.image_column, spec.source_column, *id_columns], source=source, split=split)
     origin = None if indices is None else np.asarray(indices, dtype=np.int64)
     ds = dataset if origin is None else dataset.select(origin)
+    if id_column is not None:  # ids "<source>/<split>/<value>": the batch functions index these keys by position
+        origin = np.asarray([str(v) for v in column_values(ds, id_column)], dtype=object)
     ds = ds.select_columns([spec.image_column, spec.source_column])
     if spec.label_column is not None and class_names is not None:
         _check_labels(ds, spec.source_column, class_names, f"Dataset {source!r}, split {split!r}")
@@ -518,33 +525,37 @@ def _task_rows(stream: str, item: _Resolved, role: str) -> np.ndarray:
     return rows
 
 
-def _build_task(stream: str, item: _Resolved, limits: _Limits) -> Task:
-    built = {}
-    for role in ("train", "eval"):
-        rows = subsample(
-            _task_rows(stream, item, role), limits.limit(role), limits.seed, stream, item.name, role
-        )
-        built[role] = _to_canonical(
-            item.data[role],
-            source=item.source,
-            split=item.splits[role],
-            spec=item.spec,
-            class_names=item.class_names,
-            indices=rows,
-        )
-        if limits.validate_images:
-            validate_images(
-                built[role], f"stream {stream!r}, task {item.name!r}, split {item.splits[role]!r}"
-            )
+def _build_split(stream: str, item: _Resolved, role: str, limits: _Limits) -> Dataset:
+    """One split of a task in the canonical schema (rows selected, subsampled, converted, optionally validated)."""
+    rows = subsample(_task_rows(stream, item, role), limits.limit(role), limits.seed, stream, item.name, role)
+    built = _to_canonical(
+        item.data[role],
+        source=item.source,
+        split=item.splits[role],
+        spec=item.spec,
+        class_names=item.class_names,
+        indices=rows,
+        id_column=item.id_column,
+    )
+    if limits.validate_images:
+        validate_images(built, f"stream {stream!r}, task {item.name!r}, split {item.splits[role]!r}")
+    return built
+
+
+def _make_task(item: _Resolved, train: Dataset | IterableDataset, eval: Dataset) -> Task:
     return Task(
         name=item.name,
-        train=built["train"],
-        eval=built["eval"],
+        train=train,
+        eval=eval,
         kind=item.spec.kind,
         class_names=item.class_names,
         eval_templates=list(item.spec.eval_templates or item.spec.templates) if item.class_names else None,
         source=item.source,
     )
+
+
+def _build_task(stream: str, item: _Resolved, limits: _Limits) -> Task:
+    return _make_task(item, _build_split(stream, item, "train", limits), _build_split(stream, item, "eval", limits))
 
 
 def _build_stream(name: str, items: Sequence[_Resolved], limits: _Limits) -> TaskStream:
@@ -781,3 +792,264 @@ def _localise_labels(task: Task, group: Sequence[int], all_names: Sequence[str])
     task.class_names = [all_names[i] for i in group]
     task.train = remap_labels(task.train, mapping)
     task.eval = remap_labels(task.eval, mapping)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Time streams (TiC-CLIP)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _step_rows(dataset: Dataset, time_column: str, steps: TimeSteps) -> tuple[list[np.ndarray], np.ndarray]:
+    """Rows of each step, and the step index of every row (-1: in no step)."""
+    assigned = steps.assign(column_values(dataset, time_column))
+    return [np.flatnonzero(assigned == i) for i in range(len(steps))], assigned
+
+
+def _step_counts(names: Sequence[str], assigned: np.ndarray) -> str:
+    counts = np.bincount(assigned + 1, minlength=len(names) + 1)
+    text = ", ".join(f"{name}: {count}" for name, count in zip(names, counts[1:], strict=True))
+    return text + f"; in no step (after the last boundary or no timestamp): {counts[0]}"
+
+
+def _empty_step_error(stream: str, source: str, names: Sequence[str], empty: tuple[str, str],
+                      counts: Mapping[str, np.ndarray]) -> ValueError:
+    step, split = empty
+    per_split = " ".join(f"Rows per step in split {s!r}: {_step_counts(names, a)}." for s, a in counts.items())
+    return ValueError(
+        f"Stream {stream!r}: time step {step!r} has no rows in split {split!r} of dataset {source!r}; change the "
+        f"boundaries so that every step has data. {per_split}"
+    )
+
+
+def _check_unique_ids(dataset: Dataset, id_column: str, source: str, split: str) -> None:
+    values = column_values(dataset, id_column)
+    if len(set(values)) < len(values):
+        repeated = [value for value, count in Counter(values).most_common(5) if count > 1]
+        raise ValueError(f"Dataset {source!r}, split {split!r}: id_column {id_column!r} repeats values {repeated}")
+
+
+def _content_key(image: Any) -> str:
+    """A stable key for an image cell (hash of its bytes, else of its path): streamed rows have no row number."""
+    if isinstance(image, dict):
+        data = image.get("bytes") or str(image.get("path")).encode("utf-8")
+    elif isinstance(image, (bytes, bytearray)):
+        data = bytes(image)
+    else:  # a decoded PIL image
+        data = image.tobytes()
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+def _streamed_batch(
+    batch: dict[str, list[Any]],
+    *,
+    spec: TextSpec,
+    id_column: str | None,
+    prefix: str,
+    texts_per_class: list[list[str]] | None,
+    lookup: dict[Any, int] | None,
+) -> dict[str, list[Any]]:
+    """Canonical `texts`, `image_id`, `label` of a batch of streamed rows (ids from `id_column`, else content)."""
+    values = batch[spec.source_column]
+    keys = batch[id_column] if id_column is not None else [_content_key(v) for v in batch[spec.image_column]]
+    origin, positions = np.asarray([str(k) for k in keys], dtype=object), list(range(len(values)))
+    if texts_per_class is None:
+        return _caption_batch(values, positions, origin=origin, prefix=prefix)
+    return _label_batch(values, positions, origin=origin, prefix=prefix, texts_per_class=texts_per_class,
+                        lookup=lookup)
+
+
+def _in_step(times: list[Any], *, steps: TimeSteps, step: int) -> list[bool]:
+    return (steps.assign(times) == step).tolist()
+
+
+def _has_texts(texts: list[list[str]]) -> list[bool]:
+    return [len(t) > 0 for t in texts]
+
+
+def _canonical_step_stream(
+    rows: IterableDataset,
+    item: _Resolved,
+    *,
+    time_column: str,
+    steps: TimeSteps,
+    step: int,
+    limit: int | None,
+    shuffle_buffer: int | None,
+    seed: int,
+) -> IterableDataset:
+    """The rows of one time step of a streamed split, converted to the canonical schema as they are read."""
+    spec, split = item.spec, item.splits["train"]
+    ids = [item.id_column] if item.id_column is not None else []
+    ds = rows.select_columns(list(dict.fromkeys([spec.image_column, spec.source_column, time_column, *ids])))
+    if ds.features is not None:  # before any filter or map: rows are then never decoded while streaming
+        ds = ds.cast_column(spec.image_column, ImageFeature(decode=False))
+    if spec.image_column != "image":
+        ds = ds.rename_column(spec.image_column, "image")
+    ds = ds.filter(partial(_in_step, steps=steps, step=step), input_columns=[time_column], batched=True)
+    texts_per_class, lookup = None, None
+    if spec.label_column is not None:
+        texts_per_class = [[format_template(t, name) for t in spec.templates] for name in item.class_names or []]
+        lookup = _label_lookup(item.data["eval"], spec.label_column, item.class_names or [])
+    function = partial(_streamed_batch, spec=replace(spec, image_column="image"), id_column=item.id_column,
+                       prefix=f"{item.source}/{split}/", texts_per_class=texts_per_class, lookup=lookup)
+    used = list(dict.fromkeys([spec.source_column, time_column, *ids]))
+    ds = ds.map(function, batched=True, remove_columns=used, features=CANONICAL_FEATURES)
+    ds = ds.filter(_has_texts, input_columns=["texts"], batched=True)
+    if limit is not None:
+        ds = ds.take(limit)
+    return shuffled(ds, seed=seed, buffer_size=shuffle_buffer)
+
+
+@dataclass
+class _Columns:
+    """Just enough of a dataset for `check_columns` (a stream's column names)."""
+
+    column_names: list[str]
+
+
+def _streamed_time_stream(
+    name: str,
+    train: str | os.PathLike,
+    base: _Resolved,
+    *,
+    time_column: str,
+    steps: TimeSteps,
+    task_names: Sequence[str],
+    eval_rows: list[np.ndarray],
+    shuffle_buffer: int | None,
+    limits: _Limits,
+) -> TaskStream:
+    """Tasks that stream their train split from a local folder or the Hub (`load_dataset(streaming=True)`), one
+    filter on the time column per step; eval splits are map-style."""
+    rows = load_dataset(os.fspath(train), split=base.splits["train"], streaming=True)
+    check_columns(_Columns(column_names(rows)), [base.spec.image_column, base.spec.source_column, time_column,
+                  *([base.id_column] if base.id_column else [])], source=base.source, split=base.splits["train"])
+    tasks = []
+    for index, task_name in enumerate(task_names):
+        item = replace(base, name=task_name, rows={"eval": eval_rows[index]})
+        train_stream = _canonical_step_stream(
+            rows, item, time_column=time_column, steps=steps, step=index, limit=limits.max_train_per_task,
+            shuffle_buffer=shuffle_buffer, seed=limits.seed + index,
+        )
+        tasks.append(_make_task(item, train_stream, _build_split(name, item, "eval", limits)))
+    return TaskStream(name=name, tasks=tasks)
+
+
+def stream_by_time(
+    train: DatasetSource,
+    eval: DatasetSource | None,
+    time_column: str,
+    boundaries: Sequence[Any],
+    *,
+    name: str | None = None,
+    task_names: Sequence[str] | None = None,
+    text_column: str | None = None,
+    label_column: str | None = None,
+    class_names: Sequence[str] | None = None,
+    train_templates: Sequence[str] | None = None,
+    eval_templates: Sequence[str] | None = None,
+    image_column: str = "image",
+    id_column: str | None = None,
+    train_split: str = "train",
+    eval_split: str = "test",
+    source: str | None = None,
+    streaming: bool = False,
+    num_shards: int = 1,
+    shuffle_buffer: int | None = DEFAULT_SHUFFLE_BUFFER,
+    max_train_per_task: int | None = None,
+    max_eval_per_task: int | None = None,
+    seed: int = 0,
+    validate_images: bool = False,
+) -> TaskStream:
+    """One task per time step of `time_column` (TiC-CLIP): train from the train split and eval from the eval split
+    of the same step.
+
+    `boundaries` are step end points `[b0, b1, ...]` (step 0: `t <= b0`; step i: `b_{i-1} < t <= b_i`) or explicit
+    groups of values `[[2010, 2011], [2012], ...]`. **Rows after the last boundary (or in no group) and rows without
+    a timestamp are dropped**: the stream ends at its last step, as TiC-CLIP leaves out years after its last one.
+    The time column holds numbers (years) or dates (Arrow timestamps/dates, or ISO-8601 strings); on dates a
+    boundary names a whole period (`2011` or `"2011"`: up to the end of 2011); see `hf_ccl.data.timesteps`.
+    Default task names: `"2011"`, `"2013-2015"` for year steps (the first step named by its last year).
+    A step without rows in either split is an error that lists the rows per step.
+
+    `id_column`: image ids `"<source>/<split>/<value>"` from this column (unique per split) instead of row numbers.
+
+    `streaming=True`: each task's `train` is a streaming `datasets.IterableDataset` shuffled with a buffer of
+    `shuffle_buffer` rows (seed `seed + k` for task k; None: stream order); `eval` stays map-style.
+    - A `Dataset`/`DatasetDict` source is built as usual, then read as `num_shards` shards
+      (`Dataset.to_iterable_dataset`): the same rows and image ids as without streaming.
+    - A local folder or Hub id is read with `load_dataset(..., streaming=True)`, filtered on the time column once
+      per step (each step reads the whole source). Without `id_column`, image ids are a hash of the image bytes
+      (streamed rows have no row number). Train steps are not counted in advance (an empty one fails when the run
+      starts), `max_train_per_task` keeps the first rows of the step, `validate_images` checks eval splits only,
+      and a string label column needs `class_names`.
+    """
+    spec = dict(
+        text_column=text_column,
+        label_column=label_column,
+        class_names=class_names,
+        train_templates=train_templates,
+        eval_templates=eval_templates,
+        image_column=image_column,
+    )
+    streamed = streaming and isinstance(train, (str, os.PathLike))
+    limits = _Limits(max_train_per_task, max_eval_per_task, seed, validate_images)
+    if streamed:
+        base = _streamed_base(train, eval, spec, (train_split, eval_split), source, class_names)
+    else:
+        base = _base_source(train, eval, spec, (train_split, eval_split), source)
+    base = replace(base, id_column=id_column)
+    for role, ds in base.data.items():
+        check_columns(ds, [time_column, *([id_column] if id_column else [])], source=base.source,
+                      split=base.splits[role])
+        if id_column is not None:
+            _check_unique_ids(ds, id_column, base.source, base.splits[role])
+    steps = TimeSteps.parse(boundaries, column_kind(base.data["eval"].features, time_column))
+    names = list(task_names) if task_names is not None else steps.names()
+    if len(names) != len(steps):
+        raise ValueError(f"task_names has {len(names)} names for {len(steps)} time steps")
+    stream_name = name or f"{base.source}-by-{time_column}"
+    rows, counts = {}, {}
+    for role, ds in base.data.items():
+        rows[role], counts[base.splits[role]] = _step_rows(ds, time_column, steps)
+    for role, per_step in rows.items():
+        for step_name, step_rows in zip(names, per_step, strict=True):
+            if len(step_rows) == 0:
+                raise _empty_step_error(stream_name, base.source, names, (step_name, base.splits[role]), counts)
+    if streamed:
+        return _streamed_time_stream(
+            stream_name, train, base, time_column=time_column, steps=steps, task_names=names,
+            eval_rows=rows["eval"], shuffle_buffer=shuffle_buffer, limits=limits,
+        )
+    items = [
+        replace(base, name=task, rows={role: rows[role][i] for role in rows}) for i, task in enumerate(names)
+    ]
+    stream = _build_stream(stream_name, items, limits)
+    if streaming:
+        stream = to_streaming(stream, num_shards=num_shards, shuffle_buffer=shuffle_buffer, seed=seed)
+    return stream
+
+
+def _streamed_base(
+    train: str | os.PathLike,
+    eval: DatasetSource | None,
+    spec_kwargs: dict[str, Any],
+    splits: tuple[str, str],
+    source: str | None,
+    class_names: Sequence[str] | None,
+) -> _Resolved:
+    """Like `_base_source`, but only the eval split is loaded (map-style); the train split is streamed later."""
+    text_spec = TaskSource(name="", train=train, **spec_kwargs).spec
+    eval_data = load_split(eval if eval is not None else train, splits[1])
+    label = source or source_name(train)
+    check_columns(eval_data, [text_spec.image_column, text_spec.source_column], source=label, split=splits[1])
+    names = None
+    if text_spec.label_column is not None:
+        feature = eval_data.features[text_spec.label_column]
+        if class_names is None and not isinstance(feature, ClassLabel):
+            raise ValueError(
+                f"Streaming {label!r}: pass class_names for label column {text_spec.label_column!r} (the classes "
+                "cannot be read from a stream in advance)"
+            )
+        names = resolve_class_names([eval_data], text_spec.label_column, class_names)
+    return _Resolved("", text_spec, {"eval": eval_data}, {"train": splits[0], "eval": splits[1]}, label, names)

@@ -19,7 +19,14 @@ from datasets import Image as ImageFeature
 from PIL import Image
 
 from ..paths import data_root as default_data_root
-from .builders import TaskSource, stream_by_class, stream_by_column, stream_from_datasets, stream_random_split
+from .builders import (
+    TaskSource,
+    stream_by_class,
+    stream_by_column,
+    stream_by_time,
+    stream_from_datasets,
+    stream_random_split,
+)
 from .task import TaskStream
 
 StreamBuilder = Callable[..., TaskStream]
@@ -76,6 +83,8 @@ PACS_EVAL_TEMPLATES = {
 }
 PACS_DOMAINS = ("photo", "art_painting", "cartoon", "sketch")
 FASHION_CATEGORIES = ("Apparel", "Accessories", "Footwear", "Personal Care")
+#: End years of the `fashion-years` steps: <=2011 | 2012 | 2013-2015 | 2016 | 2017-2019.
+FASHION_YEAR_BOUNDARIES = (2011, 2012, 2015, 2016, 2019)
 
 
 def register(name: str) -> Callable[[StreamBuilder], StreamBuilder]:
@@ -297,5 +306,37 @@ def fashion_categories(
         name="fashion-categories",
         task_names=[category.lower().replace(" ", "-") for category in categories],
         text_column="title",
+        **common,
+    )
+
+
+@register("fashion-years")
+def fashion_years(
+    root: Path,
+    common: dict[str, Any],
+    *,
+    boundaries: tuple[Any, ...] = FASHION_YEAR_BOUNDARIES,
+    streaming: bool = False,
+    shuffle_buffer: int | None = 1000,
+) -> TaskStream:
+    """Fashion titles by catalogue year, train/eval pairs: 2011 (<=2011) 517/135 | 2012 623/138 | 2013-2015 145/42 | 2016 201/49 | 2017-2019 122/27.
+
+    TiC-CLIP-like time steps with product titles as captions (retrieval, R_mean). Years hold very different amounts
+    of data (train 2010: 30, 2011: 487, 2012: 623, 2013: 38, 2014: 4, 2015: 103, 2016: 201, 2017: 109, 2018: 12,
+    2019: 1; test 9, 126, 138, 12, 2, 28, 49, 23, 3, 1), so sparse years are merged until every step has over 100
+    training and 25 eval pairs; the first step is named by its last year, as in TiC-CLIP. `boundaries` changes the steps (see `stream_by_time`). Image ids are `fashion/<split>/<product id>`.
+    `streaming=True`: each task's train split is streamed from the folder (`load_dataset(streaming=True)`, filtered
+    by year) through a shuffle buffer of `shuffle_buffer` rows; eval splits stay map-style.
+    """
+    return stream_by_time(
+        bundled(root, "fashion"),
+        None,
+        "year",
+        list(boundaries),
+        name="fashion-years",
+        text_column="title",
+        id_column="id",
+        streaming=streaming,
+        shuffle_buffer=shuffle_buffer,
         **common,
     )

@@ -1,7 +1,7 @@
 """Streams described as data (a YAML mapping), so a recipe can point at any HF dataset, not only a named stream.
 
     stream:
-      builder: by_column            # by_column | random_split | by_class | datasets
+      builder: by_column            # by_column | random_split | by_class | by_time | datasets
       train: pacs                   # a folder under the data root, any local dataset folder, or a Hub dataset id
       column: domain
       values: [photo, sketch]
@@ -20,13 +20,20 @@ from pathlib import Path
 from typing import Any
 
 from ..paths import data_root as default_data_root
-from .builders import stream_by_class, stream_by_column, stream_from_datasets, stream_random_split
+from .builders import (
+    stream_by_class,
+    stream_by_column,
+    stream_by_time,
+    stream_from_datasets,
+    stream_random_split,
+)
 from .task import TaskStream
 
 STREAM_BUILDERS: dict[str, Callable[..., TaskStream]] = {
     "by_column": stream_by_column,
     "random_split": stream_random_split,
     "by_class": stream_by_class,
+    "by_time": stream_by_time,
     "datasets": stream_from_datasets,
 }
 #: Arguments the run supplies itself (from `data_root`, `seed` and `stream_args`), not part of a spec.

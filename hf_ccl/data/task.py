@@ -11,7 +11,8 @@ Every task holds two Hugging Face datasets (train and eval) in one canonical sch
 | `image_id` | `str`                         | unique per image across the stream: `"<source>/<split>/<row>"`    |
 | `label`    | `int`                         | class index into `Task.class_names`, or -1 for captioned tasks    |
 
-Training samples one caption of `texts` per example and step; evaluation uses all of them.
+Training samples one caption of `texts` per example and step; evaluation uses all of them. A task's `train` may be a
+streaming `datasets.IterableDataset` with the same columns (see `hf_ccl.data.streaming`); `eval` is always a `Dataset`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from datasets import Dataset
+from datasets import Dataset, IterableDataset
 
 CANONICAL_COLUMNS = ("image", "texts", "image_id", "label")
 TaskKind = Literal["retrieval", "classification"]
@@ -36,7 +37,7 @@ class Task:
     """
 
     name: str
-    train: Dataset
+    train: Dataset | IterableDataset  # a stream (hf_ccl.data.streaming) when the task's data is read as it comes
     eval: Dataset
     kind: TaskKind = "retrieval"
     class_names: list[str] | None = None

@@ -1,6 +1,19 @@
 """Continual-learning methods as composable plugins, and their registry."""
 
-from . import ctp, ewc, finetune, joint, lwf, mas, modx, replay, si  # noqa: F401  (registers the built-in methods)
+from . import (  # noqa: F401  (registers the built-in methods)
+    ctp,
+    ewc,
+    finetune,
+    joint,
+    lwf,
+    mas,
+    modx,
+    patching,
+    replay,
+    si,
+    tic,
+    tic_replay,
+)
 from .base import ContinualMethod, MethodConfig, TaskContext
 from .registry import METHODS, available_methods, build_methods, get_method_class, register_method
 from .state import load_method_states, save_method_states

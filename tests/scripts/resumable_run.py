@@ -27,7 +27,8 @@ TRAINING = {
     "num_train_epochs": 2, "per_device_train_batch_size": 16, "learning_rate": 1e-3, "warmup_steps": 0.1,
     "lr_scheduler_type": "cosine", "save_strategy": "steps", "save_steps": 3, "logging_steps": 2,
 }
-METHOD_ARGS = {"er": {"buffer_size": 16}, "derpp": {"buffer_size": 16}, "ctp": {"queue_size": 32}}
+METHOD_ARGS = {"er": {"buffer_size": 16}, "derpp": {"buffer_size": 16}, "ctp": {"queue_size": 32},
+               "patching": {"validation_size": 4}}
 
 
 def small_stream():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import zlib
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from accelerate import PartialState
 from hf_ccl.continual import ContinualArguments, ContinualLearner
 from hf_ccl.data.collate import load_image_processor, load_tokenizer
 from hf_ccl.data.named import build_stream
+from hf_ccl.distributed import world_size
 from hf_ccl.losses import clip_contrastive_loss, positive_mask
 from hf_ccl.methods import available_methods, build_methods
 from hf_ccl.testing import tiny_clip
@@ -33,7 +35,7 @@ def global_batch_check(tokenizer, rank: int, world: int) -> dict:
     encoding = tokenizer(TEXTS, padding=True, return_tensors="pt")
     torch.manual_seed(123)
     pixels = torch.randn(len(TEXTS), 3, 32, 32)
-    text_hash = torch.tensor([hash(t) % 1000 for t in TEXTS])
+    text_hash = torch.tensor([zlib.crc32(t.encode()) % 1000 for t in TEXTS])
     image_hash = torch.arange(len(TEXTS))
     # One process, whole batch: the loss computed directly, no gather involved.
     image_embeds = model.embed_images(pixels)
@@ -78,6 +80,7 @@ def continual_run(tokenizer, output_dir: Path) -> dict:
 
 
 COMPOSITIONS = (("modx", "er"), ("ctp", "er"), ("lwf", "er"))
+METHOD_ARGS = {"patching": {"validation_size": 8}}
 
 
 def method_matrix(tokenizer, output_dir: Path) -> dict:
@@ -89,13 +92,15 @@ def method_matrix(tokenizer, output_dir: Path) -> dict:
     stream.tasks = stream.tasks[:2]
     sums = {}
     for names in runs:
-        args = ContinualArguments(
+        args = ContinualArguments(  # a compute budget of 2 steps per task (Oracle needs one for its t x C)
             output_dir=str(output_dir / "+".join(names)),
-            training={"max_steps": 2, "per_device_train_batch_size": 8, "learning_rate": 1e-3},
+            training={"per_device_train_batch_size": 8, "learning_rate": 1e-3},
+            samples_per_task=2 * 8 * world_size(),
             progress=False,
         )
+        options = {name: METHOD_ARGS[name] for name in names if name in METHOD_ARGS}
         learner = ContinualLearner(
-            tiny_clip(seed=0), stream, build_methods(list(names)), load_image_processor(32), tokenizer, args
+            tiny_clip(seed=0), stream, build_methods(list(names), options), load_image_processor(32), tokenizer, args
         )
         learner.fit()
         params = torch.cat([p.detach().flatten() for p in learner.model.parameters()])

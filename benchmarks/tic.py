@@ -1,0 +1,150 @@
+"""TiC-CLIP's protocol at small scale: every strategy gets the same compute per time step (samples seen), and the
+model after each step is scored on every step's held-out data.
+
+Strategies (TiC-CLIP Tab. 1): sequential, cumulative_all, cumulative_exp, cumulative_equal, restart, patching, lwf,
+ewc at budget C per step; oracle at t*C. Warmup on the first step only, and on every from-scratch run (restart,
+oracle); cosine to 0 within each step at the same peak; a fresh optimizer per step. Every strategy's first step is
+the same computation (random init, C samples on D_1), as in the paper.
+
+Per strategy: the evaluation matrix E (headline metric: mean R@1-based R_mean for retrieval steps, zero-shot accuracy
+for class steps), TiC's ID (diagonal mean), BWT (strict lower triangle) and FWT (strict upper triangle) and their
+relative variants (App. F), total samples seen and the MACs estimate (hf_ccl.compute).
+
+    python benchmarks/tic.py --stream fashion-years [--samples-per-step 2048] [--seeds 0,1,2]
+
+Writes benchmarks/results/tic_<stream>.md/.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hf_ccl.continual import ContinualArguments, ContinualLearner
+from hf_ccl.data import build_stream, load_image_processor, load_tokenizer
+from hf_ccl.methods import build_methods
+from hf_ccl.testing import tiny_clip
+
+STRATEGIES = "sequential,cumulative_all,cumulative_exp,cumulative_equal,restart,oracle,patching,lwf,ewc"
+MODEL = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "projection_dim": 64, "image_size": 32}
+SUMMARY_KEYS = ("tic_id", "tic_bwt", "tic_fwt", "tic_rel_bwt", "tic_rel_fwt", "final_average")
+
+
+def run_strategy(name: str, seed: int, stream, tokenizer, options, output_dir: Path) -> dict:
+    started = time.perf_counter()
+    learner = ContinualLearner(
+        tiny_clip(seed=seed, **MODEL), stream, build_methods([name]), load_image_processor(MODEL["image_size"]),
+        tokenizer,
+        ContinualArguments(
+            output_dir=str(output_dir / f"{name}-{seed}"), save_checkpoints=False, progress=False, seed=seed,
+            evaluate_initial=False, samples_per_task=options.samples_per_step, warmup="first_task",
+            training={"per_device_train_batch_size": options.batch_size, "learning_rate": options.lr,
+                      "warmup_steps": options.warmup_steps, "lr_scheduler_type": "cosine", "weight_decay": 0.2,
+                      "adam_beta2": 0.98, "adam_epsilon": 1e-6, "logging_steps": 50},
+        ),
+    )
+    results = learner.fit()
+    summary = results.summary()
+    return {
+        "strategy": name,
+        "seed": seed,
+        "matrix": results.headline().tolist(),
+        **{key: summary.get(key, math.nan) for key in SUMMARY_KEYS},
+        "samples_seen": sum(record.samples_seen for record in learner.compute),
+        "macs": sum(record.macs for record in learner.compute),
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def aggregate(runs: list[dict]) -> list[dict]:
+    rows = []
+    for name in dict.fromkeys(r["strategy"] for r in runs):
+        mine = [r for r in runs if r["strategy"] == name]
+        row = {"strategy": name, "matrix": np.mean([r["matrix"] for r in mine], axis=0).tolist(),
+               "samples_seen": mine[0]["samples_seen"], "macs": mine[0]["macs"]}
+        for key in SUMMARY_KEYS:
+            values = np.array([r[key] for r in mine], dtype=float)
+            row[key] = float(values.mean())
+            row[key + "_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
+        rows.append(row)
+    return rows
+
+
+def cell(row: dict, key: str) -> str:
+    std = row[key + "_std"]
+    return f"{row[key]:.1f}" + (f" ± {std:.1f}" if std else "")
+
+
+def write(runs: list[dict], stream, options, path: Path) -> None:
+    rows = aggregate(runs)
+    base = next((r for r in rows if r["strategy"] == "sequential"), rows[0])
+    names = stream.task_names
+    lines = [
+        f"# TiC-CLIP protocol on `{stream.name}`",
+        "",
+        f"Command: `python benchmarks/tic.py --stream {stream.name} --strategies {options.strategies} "
+        f"--samples-per-step {options.samples_per_step} --batch-size {options.batch_size} --lr {options.lr} "
+        f"--warmup-steps {options.warmup_steps} --train-per-step {options.train_per_step} "
+        f"--eval-per-step {options.eval_per_step} --seeds {options.seeds}`  ",
+        f"Random CLIP {MODEL} with the real CLIP vocabulary, trained from scratch on step 1 by every strategy. "
+        f"Steps: {', '.join(names)} (train sizes {[len(t.train) for t in stream]}). Compute C = "
+        f"{options.samples_per_step} samples per step (batch {options.batch_size}); Oracle t*C. Score per step: "
+        f"{', '.join(sorted({t.headline_metric for t in stream}))} (%). Mean ± std over seeds {options.seeds}. "
+        "ID = mean of the diagonal, BWT = mean of the strict lower triangle (old steps), FWT = strict upper "
+        "triangle (future steps), rel- = each row minus its diagonal (TiC App. F).",
+        "",
+        "| strategy | ID | BWT | FWT | rel-BWT | rel-FWT | final avg | samples seen | MACs | compute vs Sequential |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['strategy']} | {cell(row, 'tic_id')} | {cell(row, 'tic_bwt')} | {cell(row, 'tic_fwt')} | "
+            f"{cell(row, 'tic_rel_bwt')} | {cell(row, 'tic_rel_fwt')} | {cell(row, 'final_average')} | "
+            f"{row['samples_seen']:,} | {row['macs']:.2e} | {row['macs'] / base['macs']:.2f}x |"
+        )
+    lines += ["", "Evaluation matrices (rows: model after step i; columns: eval set of step j; seed mean):", ""]
+    for row in rows:
+        lines += [f"**{row['strategy']}**", "", "| after \\ eval | " + " | ".join(names) + " |",
+                  "|---" * (len(names) + 1) + "|"]
+        for label, values in zip(names, row["matrix"], strict=True):
+            lines.append(f"| {label} | " + " | ".join(f"{v:.1f}" for v in values) + " |")
+        lines.append("")
+    path.with_suffix(".md").write_text("\n".join(lines), encoding="utf-8")
+    path.with_suffix(".json").write_text(json.dumps({"summary": rows, "runs": runs}, indent=2) + "\n",
+                                         encoding="utf-8")
+    print("\n".join(lines[:8 + len(rows)]), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stream", default="fashion-years")
+    parser.add_argument("--strategies", default=STRATEGIES)
+    parser.add_argument("--samples-per-step", type=int, default=2048)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--warmup-steps", type=int, default=4)
+    parser.add_argument("--train-per-step", type=int, default=None)
+    parser.add_argument("--eval-per-step", type=int, default=200)
+    parser.add_argument("--seeds", default="0")
+    parser.add_argument("--output", default=str(Path(__file__).parent / "results"))
+    options = parser.parse_args()
+    stream = build_stream(options.stream, max_train_per_task=options.train_per_step,
+                          max_eval_per_task=options.eval_per_step)
+    tokenizer = load_tokenizer()
+    path = Path(options.output) / f"tic_{options.stream}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for seed in [int(s) for s in options.seeds.split(",")]:
+        for name in options.strategies.split(","):
+            runs.append(run_strategy(name, seed, stream, tokenizer, options, Path("/tmp/hf_ccl_tic") / options.stream))
+            print(f"{name} seed {seed}: {runs[-1]['seconds']:.0f} s", flush=True)
+            write(runs, stream, options, path)
+
+
+if __name__ == "__main__":
+    main()
