@@ -38,7 +38,10 @@ SUMMARY_KEYS = ("tic_id", "tic_bwt", "tic_fwt", "tic_rel_bwt", "tic_rel_fwt", "f
 def run_strategy(name: str, seed: int, stream, tokenizer, options, output_dir: Path) -> dict:
     started = time.perf_counter()
     learner = ContinualLearner(
-        tiny_clip(seed=seed, **MODEL), stream, build_methods([name]), load_image_processor(MODEL["image_size"]),
+        tiny_clip(seed=seed, **MODEL), stream,
+        build_methods([name], {"patching": {"validation_size": options.patching_validation}} if name == "patching"
+                      else None),
+        load_image_processor(MODEL["image_size"]),
         tokenizer,
         ContinualArguments(
             output_dir=str(output_dir / f"{name}-{seed}"), save_checkpoints=False, progress=False, seed=seed,
@@ -90,7 +93,8 @@ def write(runs: list[dict], stream, options, path: Path) -> None:
         f"Command: `python benchmarks/tic.py --stream {stream.name} --strategies {options.strategies} "
         f"--samples-per-step {options.samples_per_step} --batch-size {options.batch_size} --lr {options.lr} "
         f"--warmup-steps {options.warmup_steps} --train-per-step {options.train_per_step} "
-        f"--eval-per-step {options.eval_per_step} --seeds {options.seeds}`  ",
+        f"--eval-per-step {options.eval_per_step} --patching-validation {options.patching_validation} "
+        f"--seeds {options.seeds}`  ",
         f"Random CLIP {MODEL} with the real CLIP vocabulary, trained from scratch on step 1 by every strategy. "
         f"Steps: {', '.join(names)} (train sizes {[len(t.train) for t in stream]}). Compute C = "
         f"{options.samples_per_step} samples per step (batch {options.batch_size}); Oracle t*C. Score per step: "
@@ -131,6 +135,7 @@ def main() -> None:
     parser.add_argument("--train-per-step", type=int, default=None)
     parser.add_argument("--eval-per-step", type=int, default=200)
     parser.add_argument("--seeds", default="0")
+    parser.add_argument("--patching-validation", type=int, default=24, help="rows per step held out to choose alpha")
     parser.add_argument("--output", default=str(Path(__file__).parent / "results"))
     options = parser.parse_args()
     stream = build_stream(options.stream, max_train_per_task=options.train_per_step,

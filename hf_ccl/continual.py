@@ -420,6 +420,14 @@ class ContinualLearner:
         if is_empty(dataset):  # a stream (IterableDataset) is read up to its first row (or first whole batch)
             raise ValueError(f"Task {context.task_index} ({context.task.name!r}) has no training examples" + (
                 " (a stream must hold at least one whole global batch)" if is_streaming(dataset) else ""))
+        if self.args.samples_per_task is not None and not is_streaming(dataset):
+            batch = global_batch_size(self._training_arguments(context).to_dict())
+            if len(dataset) < batch:
+                raise ValueError(
+                    f"Task {context.task_index} ({context.task.name!r}) trains on {len(dataset)} examples, fewer than one "
+                    f"global batch ({batch}): with a compute budget every step needs a whole batch, so it could not "
+                    "train at all. Use a smaller per_device_train_batch_size or give the task more data."
+                )
         return dataset
 
     def _streaming_train_dataset(self, context: TaskContext, dataset: Any) -> Any:

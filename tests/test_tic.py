@@ -435,3 +435,20 @@ def test_registered_names():
                  "patching"):
         assert get_method_class(name).name == name
     assert get_method_class("lwf").extra_forward_passes == 1.0 and get_method_class("ewc").extra_forward_passes == 0.0
+
+
+def test_a_task_smaller_than_one_batch_under_a_budget_is_an_error(tmp_path):
+    from hf_ccl.continual import ContinualArguments, ContinualLearner
+    from hf_ccl.data import build_stream, load_image_processor, load_tokenizer
+    from hf_ccl.methods import build_methods
+    from hf_ccl.testing import tiny_clip
+
+    stream = build_stream("digits", max_train_per_task=12, max_eval_per_task=8)
+    stream.tasks = stream.tasks[:2]
+    learner = ContinualLearner(
+        tiny_clip(0), stream, build_methods(["sequential"]), load_image_processor(32), load_tokenizer(),
+        ContinualArguments(output_dir=str(tmp_path), progress=False, samples_per_task=32,
+                           training={"per_device_train_batch_size": 16}),
+    )
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        learner.fit()
