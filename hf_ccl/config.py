@@ -62,6 +62,11 @@ class RunConfig:
         default=None, metadata={"help": "Mod-X spatial-disorder diagnostics on this task's eval split; None: off."}
     )
 
+    samples_per_task: int | None = field(
+        default=None, metadata={"help": "Compute budget: training samples per task (sets max_steps); None: epochs."}
+    )
+    evaluate_initial: bool = field(default=True, metadata={"help": "Evaluate the model before the first task."})
+    warmup: str = field(default="every_task", metadata={"help": "'every_task' or 'first_task' (TiC-CLIP)."})
     resume_from_checkpoint: bool | str | None = field(
         default=None,
         metadata={"help": "true: continue from the last complete task (local, else Hub); 'auto': same, or start "

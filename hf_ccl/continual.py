@@ -141,9 +141,8 @@ class ContinualArguments:
                 raise ValueError(f"samples_per_task must be > 0, got {self.samples_per_task}")
             if self.first_task_epochs is not None:
                 raise ValueError("samples_per_task fixes every task's compute: leave first_task_epochs unset")
-            budgeted = sorted({"max_steps", "num_train_epochs"} & set(self.training))
-            if budgeted:
-                raise ValueError(f"samples_per_task sets each task's max_steps: remove training option(s) {budgeted}")
+            if "max_steps" in self.training:  # (num_train_epochs is simply overridden, as max_steps does in HF)
+                raise ValueError("samples_per_task sets each task's max_steps: remove training.max_steps")
         if isinstance(self.resume_from_checkpoint, str) and self.resume_from_checkpoint.lower() in ("true", "false"):
             self.resume_from_checkpoint = self.resume_from_checkpoint.lower() == "true"
 

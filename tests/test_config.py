@@ -41,3 +41,21 @@ def test_unknown_or_managed_training_option():
         ContinualArguments(output_dir="x", training={"epochs": 3})
     with pytest.raises(ValueError, match="set by hf_ccl itself"):
         ContinualArguments(output_dir="x", training={"remove_unused_columns": True})
+
+
+def test_every_shipped_recipe_passes_the_checks_made_before_training():
+    """Each recipe in recipes/configs loads and its stream, methods and options are valid (nothing is trained)."""
+    from pathlib import Path
+
+    from hf_ccl.continual import ContinualArguments
+    from hf_ccl.methods import build_methods
+    from hf_ccl.run import check_config
+
+    recipes = sorted(Path("recipes/configs").glob("*.yaml"))
+    assert len(recipes) >= 9
+    for path in recipes:
+        config = load_config(path)
+        check_config(config)
+        build_methods(config.methods, config.method_args)
+        ContinualArguments(output_dir="unused", training=dict(config.training), samples_per_task=config.samples_per_task,
+                           warmup=config.warmup, first_task_epochs=config.first_task_epochs)
