@@ -405,10 +405,16 @@ class ContinualLearner:
         return index
 
     def _start_task(self, context: TaskContext) -> None:
+        """Task-start hooks. A hook may return a new model, and may replace `context.extras["tokenizer"]` (a
+        vocabulary grown for a new language): the run then tokenizes, evaluates and saves with the new one."""
         for method in self.methods:
             new_model = method.on_task_start(context)
             if new_model is not None:
                 self.model = context.model = new_model
+            tokenizer = context.extras.get("tokenizer")
+            if tokenizer is not None and tokenizer is not self.tokenizer:
+                self.tokenizer = tokenizer
+                self.model.align_special_tokens(tokenizer)
 
     def _train_dataset(self, context: TaskContext):  # noqa: ANN202 (datasets.Dataset)
         dataset = context.task.train
