@@ -493,15 +493,19 @@ class ContinualLearner:
         return steps
 
     def _train_task(self, context: TaskContext) -> None:
+        options: dict[str, Any] = {}
+        for method in self.methods:
+            options.update(method.collator_options(context))
         collator = CLIPCollator(
-            self.image_processor, self.tokenizer, max_length=self.max_length, train=True, seed=context.seed
+            self.image_processor, self.tokenizer, max_length=self.max_length, train=True, seed=context.seed, **options
         )
         train_dataset = self._train_dataset(context)
         # What task-end hooks may need to run the model over the task's data (EWC's Fisher, MAS, DER).
         context.extras.update(
             train_dataset=train_dataset,
             collator=CLIPCollator(
-                self.image_processor, self.tokenizer, max_length=self.max_length, train=False, seed=context.seed
+                self.image_processor, self.tokenizer, max_length=self.max_length, train=False, seed=context.seed,
+                **options,
             ),
             image_processor=self.image_processor,
             tokenizer=self.tokenizer,

@@ -5,6 +5,7 @@
 | `on_task_start`        | change the model before a task (vocabulary growth, adapters, heads)    |
 | `train_dataset`        | transform the data a task trains on (replay, joint training)           |
 | `training_overrides`   | change this task's TrainingArguments (Oracle's larger budget, warmup)  |
+| `collator_options`     | extra `CLIPCollator` options for this task (e.g. parallel captions)    |
 | `loss_terms`           | extra named loss terms, added to the contrastive loss and logged       |
 | `pre_optimizer_step`   | edit gradients between backward and the optimizer step (projection)    |
 | `after_training`       | change the trained model before it is evaluated (weight patching)     |
@@ -97,6 +98,11 @@ class ContinualMethod:
     def training_overrides(self, context: TaskContext, training: dict[str, Any]) -> dict[str, Any]:
         """TrainingArguments fields to change for this task, given the ones the loop would use (`training`, which
         already holds `max_steps` when the run has a compute budget). Return only the changed fields."""
+        return {}
+
+    def collator_options(self, context: TaskContext) -> dict[str, Any]:
+        """Extra keyword arguments for this task's `CLIPCollator`s (training and task-end), e.g. a second text
+        column tokenized for a teacher. Merged over all methods in order."""
         return {}
 
     def loss_terms(
