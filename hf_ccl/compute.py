@@ -80,3 +80,14 @@ def load_compute(directory: str | Path) -> list[TaskCompute]:
         return [TaskCompute(**record) for record in json.loads(path.read_text(encoding="utf-8"))["tasks"]]
     except (ValueError, KeyError, TypeError) as error:
         raise ValueError(f"Cannot read {path} (truncated or corrupt?): {error}") from error
+
+
+def compute_summary(records: list[TaskCompute]) -> str:
+    """One line per task and a total: samples seen, optimizer steps, estimated MACs."""
+    lines = ["Compute per task (samples seen = optimizer steps x global batch; MACs estimated):"]
+    for record in records:
+        lines.append(f"  {record.task}: {record.samples_seen:,} samples ({record.optimizer_steps} steps x "
+                     f"{record.global_batch}), {record.macs:.2e} MACs")
+    total = sum(r.samples_seen for r in records)
+    lines.append(f"  total: {total:,} samples, {sum(r.macs for r in records):.2e} MACs")
+    return "\n".join(lines)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from transformers import CLIPImageProcessorPil, PreTrainedTokenizerBase
 
+from .compute import compute_summary
 from .config import RunConfig, save_config
 from .continual import ContinualArguments, ContinualLearner
 from .data.collate import load_image_processor, load_tokenizer
@@ -102,6 +103,8 @@ def run(config: RunConfig) -> ResultsMatrix:
         save_config(config, Path(config.output_dir) / "run_config.yaml")
     learner = ContinualLearner(model, stream, methods, image_processor, tokenizer, args)
     results = learner.fit()
+    if learner.compute and is_main_process():
+        print(compute_summary(learner.compute), flush=True)
     if learner.push_report is not None and is_main_process():
         print(learner.push_report.summary(), flush=True)
     return results
