@@ -61,6 +61,7 @@ from .hub import HubPusher, PushReport, download_task_checkpoint, ensure_branch,
 from .methods.base import ContinualMethod, TaskContext
 from .methods.state import load_method_states, save_method_states
 from .modeling import ContinualCLIPModel
+from .tokenization import resize_position_embeddings
 from .trainer import MID_TASK_STATE, ContinualTrainer
 
 logger = logging.getLogger(__name__)
@@ -680,7 +681,8 @@ def latest_task_checkpoint(run_dir: str | Path) -> Path | None:
 
 
 def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
-    """Load a checkpoint's weights into `model` (strict), growing the token embedding first if the vocabulary grew."""
+    """Load a checkpoint's weights into `model` (strict), growing the token embedding (and the text position embedding)
+    first if the vocabulary (or the context) grew."""
     index_file = folder / "model.safetensors.index.json"
     if index_file.exists():
         load_sharded_checkpoint(model, str(folder), strict=True)
@@ -693,6 +695,9 @@ def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
     saved_rows = next((t.shape[0] for k, t in state.items() if k.endswith("token_embedding.weight")), None)
     if saved_rows is not None and saved_rows != embedding.shape[0]:
         model.resize_token_embeddings(saved_rows)
+    saved_positions = state.get("text_model.embeddings.position_embedding.weight")
+    if saved_positions is not None and saved_positions.shape[0] > model.config.text_config.max_position_embeddings:
+        resize_position_embeddings(model, saved_positions.shape[0])  # a context grown by `grow_vocab`
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("position_ids")]
     if missing or unexpected:

@@ -5,7 +5,9 @@ What it adds to `CLIPModel`, and nothing else (its checkpoints load with plain `
   texts or images; with one process and unique pairs it equals `CLIPModel`'s own loss;
 - outputs that carry the global embeddings and mask, so method losses need not gather again;
 - EOS pooling that stays right when the vocabulary grows (`align_special_tokens`);
-- input-embedding access and `resize_token_embeddings` for the text tower.
+- input-embedding access and `resize_token_embeddings` for the text tower;
+- an optional `text_prompt` module (learned context vectors, `hf_ccl.methods.prompt`) that the text path consults
+  when set; with none set (the default) `get_text_features` is `CLIPModel`'s own.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +97,11 @@ class ContinualCLIPModel(CLIPModel):
 
     def __init__(self, config: CLIPConfig):
         super().__init__(config)
+        #: Optional text prompt (e.g. `hf_ccl.methods.prompt.TextPrompt`): a module called as
+        #: `text_prompt(text_model, input_ids, attention_mask)` that returns the text tower's output (unprojected
+        #: `pooler_output`) with its prompt inserted. A submodule, so its parameters train and move with the model,
+        #: but never saved by `save_pretrained` (checkpoints stay plain CLIPs; the prompt lives in method state).
+        self.text_prompt: nn.Module | None = None
         if config.text_config.eos_token_id == LEGACY_EOS_TOKEN_ID and config.text_config.vocab_size > 3:
             logger.warning(
                 "text_config.eos_token_id is the legacy value 2: CLIP then pools at input_ids.argmax(), which is "
@@ -144,6 +153,25 @@ class ContinualCLIPModel(CLIPModel):
         """Projected image embeddings [B, projection_dim]."""
         embeds = as_embedding(self.get_image_features(pixel_values=pixel_values))
         return nn.functional.normalize(embeds, dim=-1) if normalize else embeds
+
+    def get_text_features(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """`CLIPModel.get_text_features`, or, when `text_prompt` is set, the same through the prompt: the text
+        tower's prompted output with `pooler_output` projected by `text_projection`."""
+        if self.text_prompt is None:
+            return super().get_text_features(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
+            )
+        if position_ids is not None:
+            raise ValueError("position_ids cannot be given with a text prompt: the prompt sets the positions")
+        outputs = self.text_prompt(self.text_model, input_ids, attention_mask)
+        outputs.pooler_output = self.text_projection(outputs.pooler_output)
+        return outputs
 
     def embed_texts(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, normalize: bool = True
@@ -203,9 +231,26 @@ class ContinualCLIPModel(CLIPModel):
         )
 
     # ----- saving ------------------------------------------------------------------------------------------
+    @contextmanager
+    def without_text_prompt(self) -> Iterator[None]:
+        """Detach `text_prompt` for the duration (the plain CLIP text path), then put it back."""
+        prompt = self.text_prompt
+        self.text_prompt = None
+        try:
+            yield
+        finally:
+            self.text_prompt = prompt
+
     def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
-        """Save as a plain CLIP checkpoint: `architectures` says `CLIPModel`, so any transformers loads it."""
-        super().save_pretrained(save_directory, *args, **kwargs)
+        """Save as a plain CLIP checkpoint: `architectures` says `CLIPModel`, so any transformers loads it.
+
+        A `text_prompt` is never saved with the weights (an explicit `state_dict` argument is written as given): it
+        belongs to the method's state, which also carries it in the Trainer's mid-task checkpoints."""
+        if self.text_prompt is not None and kwargs.get("state_dict") is None:
+            with self.without_text_prompt():
+                super().save_pretrained(save_directory, *args, **kwargs)
+        else:
+            super().save_pretrained(save_directory, *args, **kwargs)
         config_path = os.path.join(save_directory, "config.json")
         if os.path.exists(config_path):
             with open(config_path, encoding="utf-8") as handle:

@@ -29,8 +29,8 @@ class NonFiniteLossError(FloatingPointError):
 
 
 class MethodHooksCallback(TrainerCallback):
-    """Calls each method's `pre_optimizer_step` between backward (after clipping) and `optimizer.step()`, and
-    clamps `logit_scale` to [0, ln 100] after every step."""
+    """Calls each method's `pre_optimizer_step` between backward (after clipping) and `optimizer.step()`, clears
+    the gradients of the methods' `optimizer_parameters` and clamps `logit_scale` to [0, ln 100] after every step."""
 
     def __init__(self, trainer: ContinualTrainer):
         self.trainer = trainer
@@ -45,7 +45,11 @@ class MethodHooksCallback(TrainerCallback):
         return control
 
     def on_optimizer_step(self, args, state, control, **kwargs):  # noqa: ANN001 (Trainer callback protocol)
-        """Clamp CLIP's temperature after each step, as OpenAI CLIP training does: exp(logit_scale) <= 100."""
+        """Clamp CLIP's temperature after each step, as OpenAI CLIP training does: exp(logit_scale) <= 100; clear
+        the gradients of the methods' own parameters (the Trainer's `model.zero_grad()` does not reach them)."""
+        for method in self.trainer.methods:
+            for parameter in method.optimizer_parameters():
+                parameter.grad = None
         model = self.trainer.accelerator.unwrap_model(self.trainer.model_wrapped)
         logit_scale = getattr(model, "logit_scale", None)
         if isinstance(logit_scale, torch.nn.Parameter):
@@ -57,8 +61,14 @@ class MethodHooksCallback(TrainerCallback):
 class ContinualTrainer(Trainer):
     """Trainer for one task of a continual stream.
 
-    `compute_loss` returns `contrastive + sum(method terms)`; each term is averaged over the logging window and
-    logged as `loss/<name>`. A NaN or infinite loss stops training with `NonFiniteLossError`.
+    `compute_loss` returns `contrastive + sum(method terms)` (the method terms alone when a method sets
+    `replaces_contrastive_loss`); each term is averaged over the logging window and logged as `loss/<name>`. A NaN
+    or infinite loss stops training with `NonFiniteLossError`.
+
+    The optimizer is the Trainer's own, with two method hooks: parameters named by a method's `no_weight_decay`
+    go to the group without weight decay, and each method's `optimizer_parameters` are added as one more group
+    without weight decay. The optimizer and the TrainingArguments are put in `context.extras["optimizer"]` and
+    `context.extras["training_args"]` for the methods' `pre_optimizer_step`.
     """
 
     def __init__(
@@ -78,6 +88,42 @@ class ContinualTrainer(Trainer):
         self._metric_sums: dict[str, float] = {}
         self._term_count = 0
         self.add_callback(MethodHooksCallback(self))
+        if self.context is not None:
+            self.context.extras["training_args"] = self.args
+
+    @property
+    def replaces_contrastive_loss(self) -> bool:
+        """Whether a method's terms are the whole loss (the model's contrastive loss is then left out)."""
+        return any(method.replaces_contrastive_loss for method in self.methods)
+
+    def get_decay_parameter_names(self, model: torch.nn.Module) -> list[str]:
+        """The Trainer's rule (no decay for biases and norms) less the parameters a method's `no_weight_decay`
+        names."""
+        names = super().get_decay_parameter_names(model)
+        excluded: set[str] = set()
+        for method in self.methods:
+            excluded |= set(method.no_weight_decay(model))
+        return [name for name in names if name not in excluded]
+
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        """The Trainer's optimizer plus one group, without weight decay, for the methods' `optimizer_parameters`
+        (moved to the model's device first)."""
+        fresh = self.optimizer is None
+        optimizer = super().create_optimizer(model)
+        if fresh:
+            in_model = {id(p) for p in (model or self.model).parameters()}
+            extra = [p for method in self.methods for p in method.optimizer_parameters() if p.requires_grad]
+            clash = [p for p in extra if id(p) in in_model]
+            if clash:
+                raise ValueError("optimizer_parameters must not be parameters of the model (the Trainer has them)")
+            if extra:
+                device = next((model or self.model).parameters()).device
+                for parameter in extra:  # in place (same object) on the model's device, before any optimizer state
+                    parameter.data = parameter.data.to(device)
+                optimizer.add_param_group({"params": extra, "weight_decay": 0.0})
+        if self.context is not None:
+            self.context.extras["optimizer"] = optimizer
+        return optimizer
 
     def compute_loss(
         self,
@@ -86,13 +132,16 @@ class ContinualTrainer(Trainer):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
-        outputs = model(**inputs, return_loss=True)
-        terms = {CONTRASTIVE_TERM: outputs.loss}
+        replaced = self.replaces_contrastive_loss
+        outputs = model(**inputs, return_loss=not replaced)
+        terms = {} if replaced else {CONTRASTIVE_TERM: outputs.loss}
         if self.methods:
             unwrapped = self.accelerator.unwrap_model(model)
             for method in self.methods:
                 for name, value in method.loss_terms(unwrapped, inputs, outputs, self.context).items():
                     terms[f"{method.name}/{name}"] = value
+        if not terms:
+            raise ValueError("A method replaces the contrastive loss but no method returned a loss term")
         loss = torch.stack([term.float() for term in terms.values()]).sum()
         self._check_finite(loss, terms)
         if model.training:

@@ -141,3 +141,62 @@ def test_missing_shared_tokenizer_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_CCL_SHARED", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="set HF_CCL_SHARED"):
         load_tokenizer()
+
+
+# ----- parallel captions (a teacher's English beside the task language) ---------------------------------------
+def _parallel_rows(rows) -> list[dict]:
+    """Row 0: one German caption beside five English ones (not sentence-parallel); row 1: as many of each."""
+    first = dict(rows[0], texts=["ein Hund rennt"], texts_en=list(rows[0]["texts"]))
+    second = dict(rows[1], texts=[f"Satz {i}" for i in range(len(rows[1]["texts"]))], texts_en=list(rows[1]["texts"]))
+    return [first, second]
+
+
+def test_parallel_captions_are_paired_and_tokenized(tokenizer, processor, rows) -> None:
+    data = _parallel_rows(rows)
+    plain = CLIPCollator(processor, tokenizer, seed=5)
+    collator = CLIPCollator(processor, tokenizer, seed=5, parallel_text_column="texts_en")
+    for _ in range(5):
+        reference, batch = plain(data), collator(data)
+        for key in reference:  # the task-language side is unchanged by the option
+            assert torch.equal(reference[key], batch[key]), key
+        english = [tokenizer.decode(ids, skip_special_tokens=True) for ids in batch["parallel_input_ids"]]
+        chosen = [tokenizer.decode(ids, skip_special_tokens=True) for ids in batch["input_ids"]]
+        index = int(chosen[1].split()[-1])  # "auto": same length -> the caption at the same index
+        assert english[1] == tokenizer.decode(tokenizer(data[1]["texts_en"][index])["input_ids"], skip_special_tokens=True)
+        assert english[0] in {tokenizer.decode(tokenizer(t)["input_ids"], skip_special_tokens=True)
+                              for t in data[0]["texts_en"]}
+        assert batch["parallel_attention_mask"].shape == batch["parallel_input_ids"].shape
+        assert batch["parallel_text_hash"].tolist()[0] in {stable_hash(t) for t in data[0]["texts_en"]}
+    drawn = {tuple(collator(data)["parallel_text_hash"].tolist())[0] for _ in range(20)}
+    assert len(drawn) > 1  # "random" for the non-parallel row: a seeded draw among the image's English captions
+
+
+def test_parallel_pairing_rules_eval_and_state(tokenizer, processor, rows) -> None:
+    data = _parallel_rows(rows)
+    same = dict(data[1], texts_en=data[1]["texts"])  # the English task: texts_en is texts -> x^E = x^F
+    batch = CLIPCollator(processor, tokenizer, parallel_text_column="texts_en")([same])
+    assert torch.equal(batch["input_ids"], batch["parallel_input_ids"])
+    with pytest.raises(ValueError, match="parallel_pairing='index'"):
+        CLIPCollator(processor, tokenizer, parallel_text_column="texts_en", parallel_pairing="index")(data)
+    evaluation = CLIPCollator(processor, tokenizer, train=False, parallel_text_column="texts_en", parallel_pairing="random")
+    assert evaluation.choose_parallel_texts(data, [0, 0]) == [data[0]["texts_en"][0], data[1]["texts_en"][0]]
+    with pytest.raises(ValueError, match="no 'texts_fr' column"):
+        CLIPCollator(processor, tokenizer, parallel_text_column="texts_fr")(data)
+    with pytest.raises(ValueError, match="parallel_pairing"):
+        CLIPCollator(processor, tokenizer, parallel_text_column="texts_en", parallel_pairing="nearest")
+    collator = CLIPCollator(processor, tokenizer, seed=2, parallel_text_column="texts_en", parallel_pairing="random")
+    collator(data)
+    state = collator.state_dict()
+    expected = [collator(data)["parallel_text_hash"].tolist() for _ in range(4)]
+    restored = CLIPCollator(processor, tokenizer, seed=2, parallel_text_column="texts_en", parallel_pairing="random")
+    restored.load_state_dict(state)
+    assert [restored(data)["parallel_text_hash"].tolist() for _ in range(4)] == expected
+    assert "parallel_rng" not in CLIPCollator(processor, tokenizer).state_dict()
+
+
+def test_parallel_tokenizer_limit_holds(tokenizer, processor, rows) -> None:
+    long = dict(rows[0], texts=["kurz"], texts_en=["a dog " * 60])
+    collator = CLIPCollator(processor, tokenizer, max_length=100, parallel_text_column="texts_en",
+                            parallel_tokenizer=tokenizer)
+    batch = collator([long])
+    assert batch["parallel_input_ids"].shape[1] == 77  # the teacher's tokenizer (77 positions) caps the English

@@ -18,6 +18,8 @@ _HUGE_MAX_LENGTH = 100_000  # tokenizers without a limit report ~1e30
 #: Optional integer columns passed through as int64 tensors when present in the rows (missing or None -> -1):
 #: `buffer_slot` marks replayed rows and their buffer slot (hf_ccl.methods.replay; -1 for new data).
 PASSTHROUGH_INT_COLUMNS = ("buffer_slot",)
+#: How a parallel caption is paired with the chosen caption (see `CLIPCollator`).
+PARALLEL_PAIRINGS = ("auto", "index", "random")
 
 
 def stable_hash(text: str) -> int:
@@ -67,6 +69,26 @@ class CLIPCollator:
     with the collator's own seeded generator (reproducible; each DataLoader worker derives its own stream from
     `seed` and its worker id); in eval mode the first caption is used. Integer columns named in
     `PASSTHROUGH_INT_COLUMNS` (e.g. `buffer_slot`) are passed through as int64 tensors when the rows have them.
+
+    Parallel captions (a teacher's input, e.g. CLL-CLIP's English x^E beside the task-language x^F): with
+    `parallel_text_column="texts_en"` every row must also have that column (a caption list), and the batch gets one
+    caption of it per example, tokenized by `parallel_tokenizer` (default: `tokenizer`) with the same padding,
+    truncated to the smaller of `max_length` and that tokenizer's own limit, as `parallel_input_ids`,
+    `parallel_attention_mask` and `parallel_text_hash`. How it is paired with the caption chosen from `texts`
+    (`parallel_pairing`):
+
+    - `"index"`: the caption at the same index (sentence-parallel lists, e.g. MSCOCO_36's translations of each
+      English caption, or the English task itself, where `texts_en` is `texts` and x^E = x^F exactly); the two
+      lists must then have the same length.
+    - `"random"`: one caption drawn from the parallel list with a second seeded generator (the first caption in
+      eval mode). This is the approximation for captions that are *not* sentence-parallel but describe the same
+      image, e.g. Flickr8k's German (one Multi30k translation of an unknown one of the five English captions) or
+      Chinese captions (written independently): the teacher then sees an English caption of the same image, not a
+      translation of the student's caption.
+    - `"auto"` (default): `"index"` for a row whose two lists have the same length, else `"random"`.
+
+    The parallel draws use their own generator, so the captions drawn from `texts` are the same with or without a
+    parallel column, and `state_dict` holds both generators' positions.
     """
 
     def __init__(
@@ -77,6 +99,9 @@ class CLIPCollator:
         max_length: int | None = None,
         train: bool = True,
         seed: int = 0,
+        parallel_text_column: str | None = None,
+        parallel_tokenizer: Any = None,
+        parallel_pairing: str = "auto",
     ) -> None:
         self.image_processor = image_processor
         self.tokenizer = tokenizer
@@ -85,6 +110,16 @@ class CLIPCollator:
         self.seed = seed
         self._rng = random.Random(seed)
         self._worker: int | None = None
+        if parallel_pairing not in PARALLEL_PAIRINGS:
+            raise ValueError(f"parallel_pairing must be one of {list(PARALLEL_PAIRINGS)}, got {parallel_pairing!r}")
+        if parallel_text_column is None and parallel_tokenizer is not None:
+            raise ValueError("parallel_tokenizer needs parallel_text_column (the column it tokenizes)")
+        self.parallel_text_column = parallel_text_column
+        self.parallel_tokenizer = parallel_tokenizer if parallel_tokenizer is not None else tokenizer
+        # The parallel tokenizer's own limit also holds (a teacher with 77 positions under a grown context).
+        self.parallel_max_length = min(self.max_length, resolve_max_length(self.parallel_tokenizer))
+        self.parallel_pairing = parallel_pairing
+        self._parallel_rng = random.Random(f"{seed}/parallel")
 
     def _generator(self) -> random.Random:
         info = torch.utils.data.get_worker_info()
@@ -92,35 +127,77 @@ class CLIPCollator:
         if worker != self._worker:
             self._worker = worker
             self._rng = random.Random(self.seed if worker is None else f"{self.seed}/worker{worker}")
+            self._parallel_rng = random.Random(
+                f"{self.seed}/parallel" if worker is None else f"{self.seed}/worker{worker}/parallel"
+            )
         return self._rng
 
     def state_dict(self) -> dict[str, Any]:
-        """The caption sampler's position, so a run resumed mid-task draws the captions it would have drawn."""
-        version, internal, gauss = self._rng.getstate()
-        return {"seed": self.seed, "worker": self._worker, "rng": [version, list(internal), gauss]}
+        """The caption sampler's position, so a run resumed mid-task draws the captions it would have drawn (with
+        a parallel column, also the parallel sampler's, under `parallel_rng`)."""
+        state = {"seed": self.seed, "worker": self._worker, "rng": _rng_state(self._rng)}
+        if self.parallel_text_column is not None:
+            state["parallel_rng"] = _rng_state(self._parallel_rng)
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        version, internal, gauss = state["rng"]
         self.seed, self._worker = state["seed"], state["worker"]
-        self._rng.setstate((version, tuple(internal), gauss))
+        _set_rng_state(self._rng, state["rng"])
+        if "parallel_rng" in state:
+            _set_rng_state(self._parallel_rng, state["parallel_rng"])
+        else:  # a state written without a parallel column: the parallel sampler starts from its seed
+            worker = self._worker
+            self._parallel_rng = random.Random(
+                f"{self.seed}/parallel" if worker is None else f"{self.seed}/worker{worker}/parallel"
+            )
 
     def choose_texts(self, rows: Sequence[Mapping[str, Any]]) -> list[str]:
         """One caption per row: a seeded random one in train mode, the first in eval mode."""
+        return self._choose(rows)[0]
+
+    def _choose(self, rows: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[int]]:
+        """The chosen caption of each row and its index in the row's `texts`."""
         rng = self._generator() if self.train else None
-        chosen = []
+        chosen, indices = [], []
         for row in rows:
-            texts = row["texts"]
-            if isinstance(texts, str):
-                texts = [texts]
-            if not texts:
-                raise ValueError(f"Example {row.get('image_id', '?')} has no caption")
-            chosen.append(texts[rng.randrange(len(texts))] if rng is not None else texts[0])
+            texts = _caption_list(row, "texts")
+            index = rng.randrange(len(texts)) if rng is not None else 0
+            chosen.append(texts[index])
+            indices.append(index)
+        return chosen, indices
+
+    def choose_parallel_texts(self, rows: Sequence[Mapping[str, Any]], indices: Sequence[int]) -> list[str]:
+        """One caption per row from `parallel_text_column`, paired with the caption chosen at `indices` of `texts`
+        by `parallel_pairing` (see the class docstring)."""
+        column = self.parallel_text_column
+        if column is None:
+            raise ValueError("This collator has no parallel_text_column")
+        if self.train:
+            self._generator()  # (re)seeds the parallel sampler too when running in a new DataLoader worker
+        chosen = []
+        for row, index in zip(rows, indices, strict=True):
+            if column not in row:
+                raise ValueError(
+                    f"Example {row.get('image_id', '?')} has no {column!r} column (the parallel captions); it has "
+                    f"{sorted(row)}"
+                )
+            parallel = _caption_list(row, column)
+            same_length = len(parallel) == len(_caption_list(row, "texts"))
+            if self.parallel_pairing == "index" and not same_length:
+                raise ValueError(
+                    f"Example {row.get('image_id', '?')}: parallel_pairing='index' needs as many {column!r} captions "
+                    f"as 'texts' captions, got {len(parallel)} and {len(_caption_list(row, 'texts'))}"
+                )
+            if self.parallel_pairing == "index" or (self.parallel_pairing == "auto" and same_length):
+                chosen.append(parallel[index])
+            else:
+                chosen.append(parallel[self._parallel_rng.randrange(len(parallel))] if self.train else parallel[0])
         return chosen
 
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         ids = [str(row.get("image_id", index)) for index, row in enumerate(rows)]
         images = [decode_image(row["image"], where) for row, where in zip(rows, ids, strict=True)]
-        texts = self.choose_texts(rows)
+        texts, indices = self._choose(rows)
         tokens = self.tokenizer(
             texts, padding="longest", truncation=True, max_length=self.max_length, return_tensors="pt"
         )
@@ -132,8 +209,36 @@ class CLIPCollator:
             "text_hash": torch.tensor([stable_hash(text) for text in texts], dtype=torch.int64),
             "image_hash": torch.tensor([stable_hash(image_id) for image_id in ids], dtype=torch.int64),
         }
+        if self.parallel_text_column is not None:
+            parallel = self.choose_parallel_texts(rows, indices)
+            parallel_tokens = self.parallel_tokenizer(
+                parallel, padding="longest", truncation=True, max_length=self.parallel_max_length, return_tensors="pt"
+            )
+            batch["parallel_input_ids"] = parallel_tokens["input_ids"]
+            batch["parallel_attention_mask"] = parallel_tokens["attention_mask"]
+            batch["parallel_text_hash"] = torch.tensor([stable_hash(text) for text in parallel], dtype=torch.int64)
         for column in PASSTHROUGH_INT_COLUMNS:
             if any(column in row for row in rows):
                 values = [row.get(column) for row in rows]
                 batch[column] = torch.tensor([-1 if v is None else int(v) for v in values], dtype=torch.int64)
         return batch
+
+
+def _caption_list(row: Mapping[str, Any], column: str) -> list[str]:
+    """A row's captions in `column` as a non-empty list (a bare string is one caption)."""
+    texts = row[column]
+    if isinstance(texts, str):
+        texts = [texts]
+    if not texts:
+        raise ValueError(f"Example {row.get('image_id', '?')} has no caption in {column!r}")
+    return list(texts)
+
+
+def _rng_state(rng: random.Random) -> list[Any]:
+    version, internal, gauss = rng.getstate()
+    return [version, list(internal), gauss]
+
+
+def _set_rng_state(rng: random.Random, state: Sequence[Any]) -> None:
+    version, internal, gauss = state
+    rng.setstate((version, tuple(internal), gauss))

@@ -27,6 +27,7 @@ from .builders import (
     stream_from_datasets,
     stream_random_split,
 )
+from .languages import FLICKR8K_LANGUAGES, flickr8k_languages
 from .task import TaskStream
 
 StreamBuilder = Callable[..., TaskStream]
@@ -244,6 +245,21 @@ def flickr8k_random5(
         eval_split="test",
         **common,
     )
+
+
+@register("flickr8k-languages")
+def flickr8k_languages_stream(
+    root: Path, common: dict[str, Any], *, languages: tuple[str, ...] = FLICKR8K_LANGUAGES, eval_split: str = "auto"
+) -> TaskStream:
+    """Flickr8k one language per task (CLL-CLIP): en de fr cs zh ug bo mn by default, retrieval on shared eval images.
+
+    Each task trains on the train images captioned in its language (plus `texts_en`, their English captions) and is
+    scored on the same held-out images, those captioned in every language of the stream: `eval_split="auto"` takes
+    test when every language has test captions (en de fr cs zh: 929 images), else validation (ug bo mn have none on
+    test; all eight: 934 images). See `hf_ccl.data.languages`.
+    """
+    return flickr8k_languages(bundled(root, "flickr8k"), languages, name="flickr8k-languages", eval_split=eval_split,
+                              **common)
 
 
 def _pacs_task(root: Path, domain: str, name: str | None = None) -> TaskSource:

@@ -1,18 +1,23 @@
 """Continual-learning methods as composable plugins, and their registry."""
 
 from . import (  # noqa: F401  (registers the built-in methods)
+    cllclip,
     ctp,
     ewc,
     finetune,
     joint,
+    lora,
     lwf,
     mas,
     modx,
     patching,
+    prompt,
     replay,
     si,
+    teir,
     tic,
     tic_replay,
+    vocab,
 )
 from .base import ContinualMethod, MethodConfig, TaskContext
 from .registry import METHODS, available_methods, build_methods, get_method_class, register_method

@@ -7,6 +7,9 @@
 | `training_overrides`   | change this task's TrainingArguments (Oracle's larger budget, warmup)  |
 | `collator_options`     | extra `CLIPCollator` options for this task (e.g. parallel captions)    |
 | `loss_terms`           | extra named loss terms, added to the contrastive loss and logged       |
+| `replaces_contrastive_loss` | (class flag) the loss is the methods' terms alone (CLL-CLIP)      |
+| `no_weight_decay`      | model parameters the optimizer must not decay (TEIR decays per row)    |
+| `optimizer_parameters` | method-owned tensors the task's optimizer also trains (a temperature)  |
 | `pre_optimizer_step`   | edit gradients between backward and the optimizer step (projection)    |
 | `after_training`       | change the trained model before it is evaluated (weight patching)     |
 | `on_task_end`          | update method state after a task (teachers, Fisher, buffers)           |
@@ -79,6 +82,9 @@ class ContinualMethod:
     #: Forward passes of other models per training example (frozen teachers, momentum encoders), for the MACs
     #: estimate of `hf_ccl.compute`.
     extra_forward_passes: ClassVar[float] = 0.0
+    #: True when the method's loss terms are the whole loss: `ContinualTrainer` then leaves out the model's own
+    #: contrastive loss (CLL-CLIP trains with its cross-lingual and cross-modal terms only).
+    replaces_contrastive_loss: ClassVar[bool] = False
 
     def __init__(self, config: MethodConfig | dict[str, Any] | None = None):
         if config is None or isinstance(config, dict):
@@ -115,8 +121,23 @@ class ContinualMethod:
         """Extra loss terms, already weighted; the total loss is the contrastive loss plus their sum."""
         return {}
 
+    def no_weight_decay(self, model: ContinualCLIPModel) -> set[str]:
+        """Names of model parameters the task's optimizer must not decay (its decoupled weight decay is 0 for them),
+        e.g. because the method applies its own decay in `pre_optimizer_step` (TEIR's per-row decay)."""
+        return set()
+
+    def optimizer_parameters(self) -> list[torch.nn.Parameter]:
+        """Method-owned tensors (not parameters of the model) that the task's optimizer also trains, in their own
+        group without weight decay, e.g. CLL-CLIP's learnable temperature. They are not gradient-clipped with the
+        model's parameters. Return the same objects every task: the optimizer (and a resumed optimizer state)
+        refers to them, so a method restores their values in place."""
+        return []
+
     def pre_optimizer_step(self, model: ContinualCLIPModel, context: TaskContext) -> None:
-        """Edit `p.grad` of the model's parameters before the optimizer steps (after clipping)."""
+        """Edit `p.grad` of the model's parameters before the optimizer steps (after clipping).
+
+        `context.extras["optimizer"]` is then the task's optimizer (the torch optimizer, before Accelerate wraps it)
+        and `context.extras["training_args"]` its `TrainingArguments`."""
 
     def after_training(self, context: TaskContext) -> ContinualCLIPModel | None:
         """Called after a task has trained, before it is evaluated: return a new model to deploy (and to evaluate,
