@@ -29,8 +29,9 @@ class NonFiniteLossError(FloatingPointError):
 
 
 class MethodHooksCallback(TrainerCallback):
-    """Calls each method's `pre_optimizer_step` between backward (after clipping) and `optimizer.step()`, clears
-    the gradients of the methods' `optimizer_parameters` and clamps `logit_scale` to [0, ln 100] after every step."""
+    """Calls each method's `pre_optimizer_step` between backward (after clipping) and `optimizer.step()` and its
+    `post_optimizer_step` right after the step, clears the gradients of the methods' `optimizer_parameters` and
+    clamps `logit_scale` to [0, ln 100] after every step."""
 
     def __init__(self, trainer: ContinualTrainer):
         self.trainer = trainer
@@ -46,11 +47,14 @@ class MethodHooksCallback(TrainerCallback):
 
     def on_optimizer_step(self, args, state, control, **kwargs):  # noqa: ANN001 (Trainer callback protocol)
         """Clamp CLIP's temperature after each step, as OpenAI CLIP training does: exp(logit_scale) <= 100; clear
-        the gradients of the methods' own parameters (the Trainer's `model.zero_grad()` does not reach them)."""
+        the gradients of the methods' own parameters (the Trainer's `model.zero_grad()` does not reach them).
+        Each method's `post_optimizer_step` runs first."""
+        model = self.trainer.accelerator.unwrap_model(self.trainer.model_wrapped)
+        for method in self.trainer.methods:
+            method.post_optimizer_step(model, self.trainer.context)
         for method in self.trainer.methods:
             for parameter in method.optimizer_parameters():
                 parameter.grad = None
-        model = self.trainer.accelerator.unwrap_model(self.trainer.model_wrapped)
         logit_scale = getattr(model, "logit_scale", None)
         if isinstance(logit_scale, torch.nn.Parameter):
             with torch.no_grad():

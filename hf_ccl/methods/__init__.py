@@ -3,6 +3,7 @@
 from . import (  # noqa: F401  (registers the built-in methods)
     cllclip,
     ctp,
+    dns,
     ewc,
     finetune,
     joint,

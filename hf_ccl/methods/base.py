@@ -11,6 +11,7 @@
 | `no_weight_decay`      | model parameters the optimizer must not decay (TEIR decays per row)    |
 | `optimizer_parameters` | method-owned tensors the task's optimizer also trains (a temperature)  |
 | `pre_optimizer_step`   | edit gradients between backward and the optimizer step (projection)    |
+| `post_optimizer_step`  | edit parameters right after the optimizer step (update projection)     |
 | `after_training`       | change the trained model before it is evaluated (weight patching)     |
 | `on_task_end`          | update method state after a task (teachers, Fisher, buffers)           |
 | `metrics`              | diagnostics logged beside the loss terms (not added to the loss)       |
@@ -138,6 +139,10 @@ class ContinualMethod:
 
         `context.extras["optimizer"]` is then the task's optimizer (the torch optimizer, before Accelerate wraps it)
         and `context.extras["training_args"]` its `TrainingArguments`."""
+
+    def post_optimizer_step(self, model: ContinualCLIPModel, context: TaskContext) -> None:
+        """Edit the model's parameters right after `optimizer.step()` (before the LR scheduler steps and the
+        gradients are zeroed), e.g. to project the update the optimizer actually made (DNS `project="update"`)."""
 
     def after_training(self, context: TaskContext) -> ContinualCLIPModel | None:
         """Called after a task has trained, before it is evaluated: return a new model to deploy (and to evaluate,
