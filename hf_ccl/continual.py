@@ -57,7 +57,14 @@ from .evaluation.spatial_disorder import (
     plot_spatial_disorder,
     spatial_disorder,
 )
-from .hub import HubPusher, PushReport, download_task_checkpoint, ensure_branch, task_branches
+from .hub import (
+    HubPusher,
+    PushReport,
+    bounded_hub_timeouts,
+    download_task_checkpoint,
+    ensure_branch,
+    task_branches,
+)
 from .methods.base import ContinualMethod, TaskContext
 from .methods.state import load_method_states, save_method_states
 from .modeling import ContinualCLIPModel
@@ -351,7 +358,7 @@ class ContinualLearner:
     def _download_latest_from_hub(self) -> Path | None:
         """Fetch the newest `task-<k>` revision of `hub_model_id` into output_dir (main process; others wait)."""
         repo = self.args.hub_model_id
-        HubPusher(repo, timeout=self.args.hub_timeout, background=False)  # bounded timeouts for the download too
+        bounded_hub_timeouts(self.args.hub_timeout)  # the download gets bounded timeouts too
         branches = task_branches(repo)
         if not branches:
             return None
@@ -417,17 +424,17 @@ class ContinualLearner:
                 self.tokenizer = tokenizer
                 self.model.align_special_tokens(tokenizer)
 
-    def _train_dataset(self, context: TaskContext):  # noqa: ANN202 (datasets.Dataset)
+    def _train_dataset(self, context: TaskContext, training_args: TrainingArguments):  # noqa: ANN202 (datasets.Dataset)
         dataset = context.task.train
         for method in self.methods:
             dataset = method.train_dataset(context, dataset)
         if is_streaming(dataset):
-            dataset = self._streaming_train_dataset(context, dataset)
+            dataset = self._streaming_train_dataset(context, dataset, training_args)
         if is_empty(dataset):  # a stream (IterableDataset) is read up to its first row (or first whole batch)
             raise ValueError(f"Task {context.task_index} ({context.task.name!r}) has no training examples" + (
                 " (a stream must hold at least one whole global batch)" if is_streaming(dataset) else ""))
         if self.args.samples_per_task is not None and not is_streaming(dataset):
-            batch = global_batch_size(self._training_arguments(context).to_dict())
+            batch = global_batch_size(training_args.to_dict())
             if len(dataset) < batch:
                 raise ValueError(
                     f"Task {context.task_index} ({context.task.name!r}) trains on {len(dataset)} examples, fewer than one "
@@ -436,10 +443,9 @@ class ContinualLearner:
                 )
         return dataset
 
-    def _streaming_train_dataset(self, context: TaskContext, dataset: Any) -> Any:
+    def _streaming_train_dataset(self, context: TaskContext, dataset: Any, args: TrainingArguments) -> Any:
         """A stream trains for `max_steps`; with `dataloader_drop_last` (set by the budget) each pass keeps only
         whole global batches, which the Trainer does not do for an IterableDataset, so samples seen = the budget."""
-        args = self._training_arguments(context)
         if args.max_steps <= 0:
             raise ValueError(
                 f"Task {context.task_index} ({context.task.name!r}) trains on a stream (an IterableDataset has no "
@@ -494,13 +500,14 @@ class ContinualLearner:
         return steps
 
     def _train_task(self, context: TaskContext) -> None:
+        training_args = self._training_arguments(context)  # once per task: the methods' overrides run here
         options: dict[str, Any] = {}
         for method in self.methods:
             options.update(method.collator_options(context))
         collator = CLIPCollator(
             self.image_processor, self.tokenizer, max_length=self.max_length, train=True, seed=context.seed, **options
         )
-        train_dataset = self._train_dataset(context)
+        train_dataset = self._train_dataset(context, training_args)
         # What task-end hooks may need to run the model over the task's data (EWC's Fisher, MAS, DER).
         context.extras.update(
             train_dataset=train_dataset,
@@ -510,9 +517,8 @@ class ContinualLearner:
             ),
             image_processor=self.image_processor,
             tokenizer=self.tokenizer,
-            per_device_batch_size=self._training_arguments(context).per_device_train_batch_size,
+            per_device_batch_size=training_args.per_device_train_batch_size,
         )
-        training_args = self._training_arguments(context)
         if training_args.push_to_hub and is_main_process():
             ensure_branch(training_args.hub_model_id, training_args.hub_revision, private=self.args.hub_private_repo,
                           retries=self.args.hub_retries, backoff=self.args.hub_retry_backoff)

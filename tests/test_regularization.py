@@ -330,8 +330,8 @@ class _Learner(ContinualLearner):
 
     logs: list[list[dict]]
 
-    def _train_dataset(self, context):
-        dataset = super()._train_dataset(context)
+    def _train_dataset(self, context, training_args):
+        dataset = super()._train_dataset(context, training_args)
         context.extras["train_dataset"] = dataset
         context.extras["collator"] = CLIPCollator(
             self.image_processor, self.tokenizer, max_length=self.max_length, train=False
