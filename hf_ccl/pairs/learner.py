@@ -333,7 +333,11 @@ class PairStreamLearner:
             )
         self.heads.load_state_dict(load_file(str(folder / HEADS_FILE)))
         load_method_states(self.methods, folder / METHOD_STATE_DIR)
-        self.matrix = ResultsMatrix.load(folder)
+        saved = ResultsMatrix.load(
+            folder
+        )  # its columns may be a prefix of this stream's (a stream grown since)
+        for row in ([saved.initial] if saved.initial is not None else []) + saved.rows:
+            self.matrix.add_row(row.label, row.metrics)
         self.timings = list(state.get("timings", []))
         self.snapshots = {}
         for key, tensor in load_file(str(folder / SNAPSHOTS_FILE)).items():
