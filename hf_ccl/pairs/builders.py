@@ -66,13 +66,15 @@ def flickr_fashion_pairs(
     train_per_task: int = 500,
     test_per_task: int = 500,
     reserve_train_images: int = 0,
+    reserve_seed: int = 0,
     seed: int = 0,
 ) -> PairStream:
     """A modality-pair stream over the bundled Flickr8k and Fashion data (see the module docstring).
 
     `pairs` lists (dataset, modality_a, modality_b): dataset `flickr8k` takes the modalities `image` and any caption
     language (en, de, fr, cs, zh, ...); `fashion` takes `image` and one text modality, which reads the product
-    titles. Task names are `<flickr|fashion>-<a>-<b>`."""
+    titles. Task names are `<flickr|fashion>-<a>-<b>`. The reserved images depend on `reserve_seed` only, so
+    streams of every `seed` leave out the same ones (`flickr_reserved_rows`)."""
     root = Path(data_root)
     if train_per_task < 1 or test_per_task < 1:
         raise ValueError("train_per_task and test_per_task must be >= 1")
@@ -94,8 +96,8 @@ def flickr_fashion_pairs(
     if flickr_tasks:
         flickr = bundled(root, "flickr8k")
         train, test = load_split(flickr, "train"), load_split(flickr, "test")
-        train_rows = rows_with_captions(train, languages)
-        train_rows = np.random.default_rng(seed).permutation(train_rows)[reserve_train_images:]
+        train_rows = np.random.default_rng(reserve_seed).permutation(rows_with_captions(train, languages))
+        train_rows = np.random.default_rng(seed).permutation(train_rows[reserve_train_images:])
         needed = train_per_task * len(flickr_tasks)
         if len(train_rows) < needed:
             raise ValueError(
@@ -137,10 +139,11 @@ def flickr_fashion_pairs(
 
 
 def flickr_reserved_rows(
-    data_root: str | Path, count: int, languages: Sequence[str] = ("en", "de"), seed: int = 0
+    data_root: str | Path, count: int, languages: Sequence[str] = ("en", "de"), reserve_seed: int = 0
 ) -> np.ndarray:
-    """The Flickr8k train rows that `flickr_fashion_pairs(..., reserve_train_images=count, seed=seed)` holds back
-    (for pretraining a frozen prior on images no task trains on)."""
+    """The Flickr8k train rows that `flickr_fashion_pairs(..., reserve_train_images=count,
+    reserve_seed=reserve_seed)` holds back (to pretrain a frozen prior on images no task trains on), for streams
+    whose Flickr modalities are `languages` (and images)."""
     train = load_split(bundled(Path(data_root), "flickr8k"), "train")
     rows = rows_with_captions(train, sorted(set(languages)))
-    return np.sort(np.random.default_rng(seed).permutation(rows)[:count])
+    return np.sort(np.random.default_rng(reserve_seed).permutation(rows)[:count])

@@ -1,0 +1,272 @@
+"""CMCL benchmark: a stream of modality pairs on frozen CLIP towers, learner heads only (issue 7; spec cmcl.md §8).
+
+The prior: a random CLIP {MODEL} trained (all weights) on Flickr8k train images that no task uses, with their
+English and German captions mixed (`--prior-images`, `--prior-epochs`), then frozen; its features are cached.
+The stream (`hf_ccl.pairs.builders.flickr_fashion_pairs`): image–en, en–de, image–de (Flickr8k, disjoint images),
+image–en on Fashion product titles; `--train-per-task` pairs each, `--test-per-task` test pairs each.
+
+Per method and seed: R@1 (mean of both directions, dot-product scores as in the paper) on every task after every
+task; BWT = mean over t < T of R_{t;T} − R_{t;t} (Eq. 14); plasticity = mean of the diagonal R_{t;t}; the drift
+‖A_{i;T} − A_{i;i}‖_F / ‖A_{i;i}‖_F of each earlier task's train alignment matrix; time per optimizer step relative
+to vanilla (same seed, same machine, one after the other), and the methods' per-task work outside the steps (DNS's
+covariances and eigendecompositions, GEM's memories, EWC's Fisher).
+
+    python benchmarks/cmcl_pairs.py --seeds 0,1,2          # ~15 min on 2 CPU cores (the prior: most of it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hf_ccl.continual import ContinualArguments, ContinualLearner
+from hf_ccl.data import load_image_processor, load_tokenizer
+from hf_ccl.data.builders import load_split, to_canonical
+from hf_ccl.data.named import bundled
+from hf_ccl.data.task import Task, TaskStream
+from hf_ccl.evaluation.continual_metrics import backward_transfer, final_average
+from hf_ccl.methods import build_methods
+from hf_ccl.pairs.builders import flickr_fashion_pairs, flickr_reserved_rows
+from hf_ccl.pairs.encoders import clip_encoders
+from hf_ccl.pairs.learner import PairStreamArguments, PairStreamLearner
+from hf_ccl.paths import data_root
+from hf_ccl.testing import tiny_clip
+
+MODEL = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "projection_dim": 64, "image_size": 32}
+CONFIGS: dict[str, tuple[list[str], dict]] = {
+    "vanilla": (["vanilla"], {}),
+    "dns": (["dns"], {}),
+    "dns-one-sided": (["dns"], {"dns": {"variant": "one_sided"}}),
+    "dns-official": (["dns"], {"dns": {"preset": "official"}}),
+    "dns-update": (["dns"], {"dns": {"project": "update"}}),
+    "gem": (["gem"], {}),
+    "agem": (["agem"], {}),
+    "ewc": (["ewc"], {}),
+    "derpp": (["derpp"], {}),
+}
+OUT = Path(__file__).parent / "results"
+
+
+def train_prior(options, tokenizer, image_processor) -> torch.nn.Module:
+    """All weights of a random CLIP on reserved Flickr8k images (English + German captions), then frozen."""
+    root = data_root()
+    flickr = bundled(root, "flickr8k")
+    train = load_split(flickr, "train")
+    rows = flickr_reserved_rows(root, options.prior_images).tolist()
+    subset = train.select(rows)
+    mixed = subset.add_column("mixed", [list(en) + list(de) for en, de in zip(subset["en"], subset["de"], strict=True)])
+    validation = load_split(flickr, "validation").select(range(200))
+    task = Task(
+        name="prior",
+        train=to_canonical(mixed, source="flickr8k", split="train", text_column="mixed"),
+        eval=to_canonical(validation, source="flickr8k", split="validation", text_column="en"),
+    )
+    learner = ContinualLearner(
+        tiny_clip(seed=0, **MODEL),
+        TaskStream(name="prior", tasks=[task]),
+        build_methods(["finetune"]),
+        image_processor,
+        tokenizer,
+        ContinualArguments(
+            output_dir="/tmp/hf_ccl_cmcl/prior",
+            save_checkpoints=False,
+            progress=False,
+            seed=0,
+            evaluate_initial=False,
+            training={
+                "num_train_epochs": options.prior_epochs,
+                "per_device_train_batch_size": 64,
+                "learning_rate": 1e-3,
+                "warmup_steps": 0.1,
+                "lr_scheduler_type": "cosine",
+            },
+        ),
+    )
+    results = learner.fit()
+    print(
+        f"prior: validation R@1 i2t {results.rows[-1].metrics['prior']['i2t_R@1']:.1f} "
+        f"t2i {results.rows[-1].metrics['prior']['t2i_R@1']:.1f} (200 images)",
+        flush=True,
+    )
+    return learner.model.eval().requires_grad_(False)
+
+
+def run(label: str, prior, encoders, stream, options, seed: int) -> dict:
+    names, method_args = CONFIGS[label]
+    args = PairStreamArguments(
+        output_dir=f"/tmp/hf_ccl_cmcl/{label}-{seed}",
+        learning_rate=options.lr,
+        weight_decay=1e-3,
+        batch_size=64,
+        epochs=options.epochs,
+        seed=seed,
+        resume=False,
+        logging_steps=1000,
+    )
+    learner = PairStreamLearner(stream, encoders, args, methods=names, method_args=method_args, clip=prior)
+    started = time.perf_counter()
+    matrix = learner.run()
+    wall = time.perf_counter() - started
+    rows = [row for row in matrix.rows]
+    r1 = np.array([[row.metrics[t]["R@1"] for t in stream.task_names] for row in rows])
+    cos = np.array([[row.metrics[t]["cos_R@1"] for t in stream.task_names] for row in rows])
+    drift = [rows[-1].metrics[t].get("drift", float("nan")) for t in stream.task_names[:-1]]
+    return {
+        "config": label,
+        "seed": seed,
+        "r1": r1.tolist(),
+        "cos_r1": cos.tolist(),
+        "initial": [matrix.initial.metrics[t]["R@1"] for t in stream.task_names],
+        "bwt": backward_transfer(r1),
+        "final": final_average(r1),
+        "plasticity": float(np.mean(np.diag(r1))),
+        "bwt_cos": backward_transfer(cos),
+        "drift": drift,
+        "mean_drift": float(np.nanmean(drift)),
+        "step_s": statistics.median(t["seconds_per_step"] for t in learner.timings),
+        "train_s": sum(t["train_seconds"] for t in learner.timings),
+        "method_task_s": sum(t["method_task_seconds"] for t in learner.timings),
+        "wall_s": wall,
+    }
+
+
+def summarize(results: list[dict], labels: list[str], stream, options, prior_note: str) -> str:
+    def stats(label: str, key: str) -> tuple[float, float]:
+        values = [r[key] for r in results if r["config"] == label]
+        return float(np.mean(values)), float(np.std(values))
+
+    step_ratio = {}
+    for label in labels:
+        ratios = []
+        for r in results:
+            if r["config"] != label:
+                continue
+            base = next(b for b in results if b["config"] == "vanilla" and b["seed"] == r["seed"])
+            ratios.append(r["train_s"] / base["train_s"])
+        step_ratio[label] = (float(np.mean(ratios)), float(np.std(ratios)))
+    seeds = sorted({r["seed"] for r in results})
+    lines = [
+        "# CMCL: modality-pair stream on frozen CLIP towers (learner heads only)",
+        "",
+        f"Command: `python benchmarks/cmcl_pairs.py --seeds {','.join(map(str, seeds))} --train-per-task "
+        f"{options.train_per_task} --test-per-task {options.test_per_task} --epochs {options.epochs} --lr {options.lr} "
+        f"--prior-images {options.prior_images} --prior-epochs {options.prior_epochs}`  ",
+        f"{prior_note}  ",
+        f"Tasks: {', '.join(f'{t.name} ({t.modality_a}–{t.modality_b})' for t in stream)}; "
+        f"{options.train_per_task} train / {options.test_per_task} test pairs each; AdamW lr {options.lr}, wd 1e-3, "
+        f"batch 64, {options.epochs} epochs per task, τ = 1/exp(logit_scale) of the prior, one-directional Eq. 2. "
+        f"Mean ± std over seeds {seeds} (a seed changes the task samples and the heads' training).",
+        "",
+        "R@1 = mean of a→b and b→a Recall@1 (%) with the paper's dot-product scores; BWT (Eq. 14) on R@1; plasticity = "
+        "mean R_{t;t}; drift = ‖A_{i;T} − A_{i;i}‖_F/‖A_{i;i}‖_F of each earlier task's train alignment matrix, mean "
+        "over tasks; time = training time (all optimizer steps of all tasks) relative to vanilla on the same seed; "
+        "task-end work = the methods' per-task work outside the steps (s, all tasks).",
+        "",
+        "| method | final R@1 | BWT | plasticity | BWT (cosine, as a folded CLIP scores) | drift | time vs vanilla "
+        "| task-end work (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for label in labels:
+        cells = [
+            f"{m:.2f} ± {s:.2f}"
+            for m, s in (stats(label, k) for k in ("final", "bwt", "plasticity", "bwt_cos"))
+        ]
+        drift = stats(label, "mean_drift")
+        ratio = step_ratio[label]
+        work = stats(label, "method_task_s")
+        lines.append(
+            f"| {label} | {' | '.join(cells)} | {drift[0]:.4f} | {ratio[0]:.2f} ± {ratio[1]:.2f} "
+            f"| {work[0]:.3f} |"
+        )
+    lines += ["", "Per-task R@1 after each task (rows: after training task t; seed mean):", ""]
+    names = stream.task_names
+    first = next(r for r in results)
+    lines.append(
+        "initial (the frozen prior): "
+        + ", ".join(f"{n} {v:.1f}" for n, v in zip(names, first["initial"], strict=True))
+    )
+    for label in labels:
+        matrix = np.mean([r["r1"] for r in results if r["config"] == label], axis=0)
+        lines += [
+            "",
+            f"**{label}**",
+            "",
+            "| after \\ eval | " + " | ".join(names) + " |",
+            "|---|" + "---|" * len(names),
+        ]
+        for name, row in zip(names, matrix, strict=True):
+            lines.append(f"| {name} | " + " | ".join(f"{v:.1f}" for v in row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--train-per-task", type=int, default=1000)
+    parser.add_argument("--test-per-task", type=int, default=500)
+    parser.add_argument("--epochs", type=float, default=5.0)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--prior-images", type=int, default=2500)
+    parser.add_argument("--prior-epochs", type=float, default=10.0)
+    parser.add_argument("--prior-cache", default="/tmp/hf_ccl_cmcl/prior-model")
+    parser.add_argument("--name", default="cmcl_pairs")
+    options = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    tokenizer, image_processor = load_tokenizer(), load_image_processor(MODEL["image_size"])
+    cache = Path(options.prior_cache)
+    if (cache / "config.json").exists():
+        from hf_ccl.modeling import ContinualCLIPModel
+
+        prior = ContinualCLIPModel.from_pretrained(cache).eval().requires_grad_(False)
+        print(f"prior loaded from {cache}", flush=True)
+    else:
+        prior = train_prior(options, tokenizer, image_processor)
+        prior.save_pretrained(cache)
+    prior_note = (
+        f"Prior: random CLIP {MODEL} trained on {options.prior_images} reserved Flickr8k train images "
+        f"(en + de captions) for {options.prior_epochs} epochs, then frozen."
+    )
+    labels = [label.strip() for label in options.configs.split(",") if label.strip()]
+    unknown = [label for label in labels if label not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown configs {unknown}; valid: {list(CONFIGS)}")
+    if "vanilla" not in labels:
+        labels.insert(0, "vanilla")
+    results = []
+    for seed in [int(s) for s in options.seeds.split(",")]:
+        stream = flickr_fashion_pairs(
+            data_root(),
+            train_per_task=options.train_per_task,
+            test_per_task=options.test_per_task,
+            reserve_train_images=options.prior_images,
+            seed=seed,
+        )
+        encoders = clip_encoders(copy.deepcopy(prior), image_processor, tokenizer)
+        for label in labels:
+            result = run(label, prior, encoders, stream, options, seed)
+            results.append(result)
+            print(
+                f"seed {seed} {label}: final {result['final']:.2f} bwt {result['bwt']:.2f} "
+                f"plasticity {result['plasticity']:.2f} drift {result['mean_drift']:.4f} "
+                f"train {result['train_s']:.2f}s",
+                flush=True,
+            )
+    OUT.mkdir(exist_ok=True)
+    (OUT / f"{options.name}.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    text = summarize(results, labels, stream, options, prior_note)
+    (OUT / f"{options.name}.md").write_text(text, encoding="utf-8")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
