@@ -238,7 +238,9 @@ def test_learner_runs_dns_saves_plain_clip_and_resumes_exactly(
     assert state["pairs"] == [["image", "en"], ["en", "de"], ["image", "de"]]
     assert len(state["timings"]) == 3 and state["timings"][0]["steps"] == 8  # 2 epochs x 64/16
     # each earlier task's train alignment drift is recorded; DNS keeps it well below plain fine-tuning's
-    vanilla = PairStreamLearner(stream, encoders, _args(tmp_path / "vanilla"), methods="vanilla", clip=tiny_model)
+    vanilla = PairStreamLearner(
+        stream, encoders, _args(tmp_path / "vanilla"), methods="vanilla", clip=tiny_model
+    )
     vanilla_matrix = vanilla.run()
     for name in stream.task_names[:2]:
         dns_drift = matrix.rows[-1].metrics[name]["drift"]
@@ -248,7 +250,12 @@ def test_learner_runs_dns_saves_plain_clip_and_resumes_exactly(
     # interrupted after task 1: resume from task-1 and finish identically
     partial_dir = tmp_path / "partial"
     interrupted = PairStreamLearner(
-        PairStream(stream.tasks[:2]), encoders, _args(partial_dir), methods="dns", method_args=dns_args, clip=tiny_model
+        PairStream(stream.tasks[:2]),
+        encoders,
+        _args(partial_dir),
+        methods="dns",
+        method_args=dns_args,
+        clip=tiny_model,
     )
     interrupted.run()
     resumed = PairStreamLearner(

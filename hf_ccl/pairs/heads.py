@@ -55,8 +55,22 @@ class LearnerHeads(nn.Module):
             self.heads[modality] = head
         return self.heads[modality]
 
-    def forward(self, modality: str, features: torch.Tensor) -> torch.Tensor:
-        """z^m = W^m z*_m (Alg. 2 l.1) for row features [n, dim]."""
+    def forward(
+        self,
+        modality: str,
+        features: torch.Tensor,
+        modality_b: str | None = None,
+        features_b: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """z^m = W^m z*_m (Alg. 2 l.1) for row features [n, dim]; given a second modality and its features, both
+        outputs (z_a, z_b) from one call, as DDP needs (one forward per backward)."""
+        if modality_b is not None:
+            if features_b is None:
+                raise ValueError("features_b is required with modality_b")
+            return self._head_output(modality, features), self._head_output(modality_b, features_b)
+        return self._head_output(modality, features)
+
+    def _head_output(self, modality: str, features: torch.Tensor) -> torch.Tensor:
         if modality not in self.heads:
             raise KeyError(f"no learner head for modality {modality!r}; heads: {sorted(self.heads)}")
         if features.shape[-1] != self.dim:

@@ -19,13 +19,24 @@ class PairObjective:
     symmetric: bool = False
 
     def logits(
-        self, heads: LearnerHeads, modality_a: str, modality_b: str, xa: torch.Tensor, xb: torch.Tensor
+        self,
+        heads: LearnerHeads | torch.nn.Module,
+        modality_a: str,
+        modality_b: str,
+        xa: torch.Tensor,
+        xb: torch.Tensor,
     ) -> torch.Tensor:
         """[n_a, n_b] scores between the two heads' outputs."""
-        return pair_logits(heads(modality_a, xa), heads(modality_b, xb), self.temperature, self.similarity)
+        z_a, z_b = heads(modality_a, xa, modality_b, xb)  # one forward call: `heads` may be DDP-wrapped
+        return pair_logits(z_a, z_b, self.temperature, self.similarity)
 
     def __call__(
-        self, heads: LearnerHeads, modality_a: str, modality_b: str, xa: torch.Tensor, xb: torch.Tensor
+        self,
+        heads: LearnerHeads | torch.nn.Module,
+        modality_a: str,
+        modality_b: str,
+        xa: torch.Tensor,
+        xb: torch.Tensor,
     ) -> torch.Tensor:
         """The pair loss of aligned rows `xa[i] ↔ xb[i]`."""
         return pair_contrastive_loss(self.logits(heads, modality_a, modality_b, xa, xb), self.symmetric)

@@ -30,6 +30,11 @@ class PairMethodHooks(TrainerCallback):
     def _heads(self) -> torch.nn.Module:
         return self.trainer.accelerator.unwrap_model(self.trainer.model_wrapped)
 
+    def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001 (Trainer callback protocol)
+        """`context.global_step` = the optimizer steps done so far, for the loss terms of this step."""
+        self.trainer.context.global_step = state.global_step
+        return control
+
     def on_pre_optimizer_step(self, args, state, control, **kwargs):  # noqa: ANN001 (Trainer callback protocol)
         self.trainer.context.global_step = state.global_step
         for method in self.trainer.methods:
@@ -66,9 +71,10 @@ class PairTrainer(Trainer):
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
         heads = self.accelerator.unwrap_model(model)
         task = self.context.task
+        # the pair loss runs through `model`: DDP-wrapped with several processes, so its gradients are averaged
         terms = {
             PAIR_TERM: self.context.objective(
-                heads, task.modality_a, task.modality_b, inputs["a"], inputs["b"]
+                model, task.modality_a, task.modality_b, inputs["a"], inputs["b"]
             )
         }
         for method in self.methods:

@@ -88,7 +88,8 @@ class PairMethod:
         """Edit the parameters right after `optimizer.step()`."""
 
     def on_task_end(self, context: PairTaskContext) -> None:
-        """After the task trained, before it is evaluated and checkpointed."""
+        """After the task trained, before it is evaluated and checkpointed. Every head is frozen
+        (`requires_grad=False`) then: a method that needs gradients (EWC's Fisher) turns them on and restores them."""
 
     def metrics(self) -> dict[str, float]:
         return {}
