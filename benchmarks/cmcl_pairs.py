@@ -11,7 +11,7 @@ task; BWT = mean over t < T of R_{t;T} − R_{t;t} (Eq. 14); plasticity = mean o
 to vanilla (same seed, same machine, one after the other), and the methods' per-task work outside the steps (DNS's
 covariances and eigendecompositions, GEM's memories, EWC's Fisher).
 
-    python benchmarks/cmcl_pairs.py --seeds 0,1,2          # ~15 min on 2 CPU cores (the prior: most of it)
+    python benchmarks/cmcl_pairs.py          # ~20 min on 2 CPU cores (the prior, cached after the first run: 4 min)
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ CONFIGS: dict[str, tuple[list[str], dict]] = {
     "dns-one-sided": (["dns"], {"dns": {"variant": "one_sided"}}),
     "dns-official": (["dns"], {"dns": {"preset": "official"}}),
     "dns-update": (["dns"], {"dns": {"project": "update"}}),
+    "dns-update-strict": (["dns"], {"dns": {"project": "update", "threshold_in": 1e-6, "threshold_out": 1e-6}}),
     "gem": (["gem"], {}),
     "agem": (["agem"], {}),
     "ewc": (["ewc"], {}),
@@ -61,7 +62,9 @@ def train_prior(options, tokenizer, image_processor) -> torch.nn.Module:
     train = load_split(flickr, "train")
     rows = flickr_reserved_rows(root, options.prior_images).tolist()
     subset = train.select(rows)
-    mixed = subset.add_column("mixed", [list(en) + list(de) for en, de in zip(subset["en"], subset["de"], strict=True)])
+    mixed = subset.add_column(
+        "mixed", [list(en) + list(de) for en, de in zip(subset["en"], subset["de"], strict=True)]
+    )
     validation = load_split(flickr, "validation").select(range(200))
     task = Task(
         name="prior",
@@ -116,7 +119,10 @@ def run(label: str, prior, encoders, stream, options, seed: int) -> dict:
     wall = time.perf_counter() - started
     rows = [row for row in matrix.rows]
     r1 = np.array([[row.metrics[t]["R@1"] for t in stream.task_names] for row in rows])
-    cos = np.array([[row.metrics[t]["cos_R@1"] for t in stream.task_names] for row in rows])
+    cos = np.array(
+        [[row.metrics[t].get("cos_R@1", row.metrics[t]["R@1"]) for t in stream.task_names] for row in rows]
+    )
+    r10 = np.array([[row.metrics[t]["R@10"] for t in stream.task_names] for row in rows])
     drift = [rows[-1].metrics[t].get("drift", float("nan")) for t in stream.task_names[:-1]]
     return {
         "config": label,
@@ -128,6 +134,8 @@ def run(label: str, prior, encoders, stream, options, seed: int) -> dict:
         "final": final_average(r1),
         "plasticity": float(np.mean(np.diag(r1))),
         "bwt_cos": backward_transfer(cos),
+        "bwt_r10": backward_transfer(r10),
+        "final_r10": final_average(r10),
         "drift": drift,
         "mean_drift": float(np.nanmean(drift)),
         "step_s": statistics.median(t["seconds_per_step"] for t in learner.timings),
@@ -157,7 +165,8 @@ def summarize(results: list[dict], labels: list[str], stream, options, prior_not
         "",
         f"Command: `python benchmarks/cmcl_pairs.py --seeds {','.join(map(str, seeds))} --train-per-task "
         f"{options.train_per_task} --test-per-task {options.test_per_task} --epochs {options.epochs} --lr {options.lr} "
-        f"--prior-images {options.prior_images} --prior-epochs {options.prior_epochs}`  ",
+        f"--prior-images {options.prior_images} --prior-epochs {options.prior_epochs} "
+        f"--timing-repeats {options.timing_repeats}`  ",
         f"{prior_note}  ",
         f"Tasks: {', '.join(f'{t.name} ({t.modality_a}–{t.modality_b})' for t in stream)}; "
         f"{options.train_per_task} train / {options.test_per_task} test pairs each; AdamW lr {options.lr}, wd 1e-3, "
@@ -166,12 +175,13 @@ def summarize(results: list[dict], labels: list[str], stream, options, prior_not
         "",
         "R@1 = mean of a→b and b→a Recall@1 (%) with the paper's dot-product scores; BWT (Eq. 14) on R@1; plasticity = "
         "mean R_{t;t}; drift = ‖A_{i;T} − A_{i;i}‖_F/‖A_{i;i}‖_F of each earlier task's train alignment matrix, mean "
-        "over tasks; time = training time (all optimizer steps of all tasks) relative to vanilla on the same seed; "
+        "over tasks; time = training time (all optimizer steps of all tasks, the fastest of the interleaved repeats) relative to "
+        "vanilla on the same seed; "
         "task-end work = the methods' per-task work outside the steps (s, all tasks).",
         "",
-        "| method | final R@1 | BWT | plasticity | BWT (cosine, as a folded CLIP scores) | drift | time vs vanilla "
-        "| task-end work (s) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | final R@1 | BWT | plasticity | BWT (cosine, as a folded CLIP scores) | final R@10 | BWT_R10 "
+        "| drift | time vs vanilla | task-end work (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label in labels:
         cells = [
@@ -210,16 +220,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--seeds", default="0,1,2,3,4")
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--train-per-task", type=int, default=1000)
-    parser.add_argument("--test-per-task", type=int, default=500)
+    parser.add_argument("--test-per-task", type=int, default=200)
     parser.add_argument("--epochs", type=float, default=5.0)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--prior-images", type=int, default=2500)
-    parser.add_argument("--prior-epochs", type=float, default=10.0)
+    parser.add_argument("--prior-epochs", type=float, default=40.0)
     parser.add_argument("--prior-cache", default="/tmp/hf_ccl_cmcl/prior-model")
     parser.add_argument("--name", default="cmcl_pairs")
+    parser.add_argument("--timing-repeats", type=int, default=3)
     options = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     tokenizer, image_processor = load_tokenizer(), load_image_processor(MODEL["image_size"])
@@ -252,15 +263,23 @@ def main() -> None:
             seed=seed,
         )
         encoders = clip_encoders(copy.deepcopy(prior), image_processor, tokenizer)
-        for label in labels:
-            result = run(label, prior, encoders, stream, options, seed)
-            results.append(result)
-            print(
-                f"seed {seed} {label}: final {result['final']:.2f} bwt {result['bwt']:.2f} "
-                f"plasticity {result['plasticity']:.2f} drift {result['mean_drift']:.4f} "
-                f"train {result['train_s']:.2f}s",
-                flush=True,
-            )
+        seed_results = {}
+        for _repeat in range(options.timing_repeats):  # interleaved repeats; the fastest training time counts
+            for label in labels:
+                result = run(label, prior, encoders, stream, options, seed)
+                if label in seed_results:
+                    kept = seed_results[label]
+                    kept["train_s"] = min(kept["train_s"], result["train_s"])
+                    kept["step_s"] = min(kept["step_s"], result["step_s"])
+                    continue
+                seed_results[label] = result
+                print(
+                    f"seed {seed} {label}: final {result['final']:.2f} bwt {result['bwt']:.2f} "
+                    f"plasticity {result['plasticity']:.2f} drift {result['mean_drift']:.4f} "
+                    f"train {result['train_s']:.2f}s",
+                    flush=True,
+                )
+        results.extend(seed_results.values())
     OUT.mkdir(exist_ok=True)
     (OUT / f"{options.name}.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     text = summarize(results, labels, stream, options, prior_note)
