@@ -313,3 +313,31 @@ def test_bad_input_fails_before_training(tiny_model, image_processor, clip_token
         flickr_fashion_pairs(tmp_path, [("flickr8k", "image", "klingon")])
     with pytest.raises(ValueError, match="dns variant"):
         PairDNS({"variant": "three_sided"})
+
+
+def test_every_task_is_pushed_as_a_plain_clip_revision(
+    tiny_model, image_processor, clip_tokenizer, small_stream, tmp_path, local_hub
+):
+    from huggingface_hub import HfApi
+
+    repo = "hf-ccl-test/clip-pairs"
+    encoders = clip_encoders(tiny_model, image_processor, clip_tokenizer)
+    stream = PairStream(small_stream.tasks[:2])
+    learner = PairStreamLearner(
+        stream, encoders, _args(tmp_path, hub_model_id=repo), methods=["dns", "ewc"], clip=tiny_model
+    )
+    learner.run()
+    assert learner.push_report is not None and not learner.push_report.failed
+    for k in range(2):
+        remote = CLIPModel.from_pretrained(repo, revision=f"task-{k}")
+        local = CLIPModel.from_pretrained(tmp_path / f"task-{k}")
+        assert torch.equal(remote.visual_projection.weight, local.visual_projection.weight)
+        files = set(HfApi().list_repo_files(repo, revision=f"task-{k}"))
+        assert {
+            "learner_heads.safetensors",
+            "pair_stream.json",
+            "hf_ccl/method_state.json",
+            "README.md",
+        } <= files
+    first = CLIPModel.from_pretrained(repo, revision="task-0").text_projection.weight
+    assert not torch.equal(first, CLIPModel.from_pretrained(repo, revision="task-1").text_projection.weight)

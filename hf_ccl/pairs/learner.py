@@ -305,11 +305,36 @@ class PairStreamLearner:
                 "args": asdict(self.args),
             }
             (partial / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
+            (partial / "README.md").write_text(self.model_card(index), encoding="utf-8")
             shutil.rmtree(folder, ignore_errors=True)
             partial.rename(folder)
             if self.pusher is not None:
                 self.pusher.push(folder, index)
         barrier()
+
+    def model_card(self, index: int) -> str:
+        """A short model card: what the checkpoint is, the stream so far, the methods and the results matrix."""
+        args, folded = self.args, self.clip is not None and self.args.fold_image_modality is not None
+        pairs = ", ".join(
+            f"{task.name} ({task.modality_a}–{task.modality_b})" for task in self.stream.tasks[: index + 1]
+        )
+        usage = (
+            "```python\nfrom transformers import CLIPModel\n"
+            f'model = CLIPModel.from_pretrained("{args.hub_model_id or "<this folder>"}", revision="task-{index}")\n```\n'
+            f"The image head `{args.fold_image_modality}` and the text head `{args.fold_text_modality}` are folded into "
+            "`visual_projection` and `text_projection`; every head is in `learner_heads.safetensors`.\n"
+            if folded
+            else "Learner heads only: `learner_heads.safetensors` (no CLIP was given to fold them into).\n"
+        )
+        front = (
+            "---\nlibrary_name: transformers\ntags:\n- clip\n- continual-learning\n- hf_ccl\n- cmcl\n---\n"
+        )
+        return (
+            f"{front}\n# Modality-pair continual learning, after task {index}\n\n"
+            f"Trained with hf_ccl's modality-pair streams (CMCL, Liu et al. 2025): frozen encoders, per-modality "
+            f"learner heads, methods {[m.name for m in self.methods] or ['vanilla']}.\n\nTasks so far: {pairs}.\n\n"
+            f"{usage}\n{self.matrix.to_markdown()}"
+        )
 
     def _resume(self) -> int:
         """Load the newest complete task checkpoint; returns the index of the next task to train."""
