@@ -309,6 +309,18 @@ def test_bad_input_fails_before_training(tiny_model, image_processor, clip_token
         PairStreamLearner(small_stream, encoders, _args(tmp_path, batch_size=128)).training_arguments(0)
     with pytest.raises(ValueError, match="fold modality"):
         PairStreamLearner(small_stream, encoders, _args(tmp_path, fold_text_modality="fr"), clip=tiny_model)
+    with pytest.raises(ValueError, match="features for 1 tasks"):
+        PairStreamLearner(
+            small_stream, encoders, _args(tmp_path), features=[encode_task(small_stream[0], encoders)]
+        )
+    shorter = PairTask("short", "en", "de", small_stream[1].train.select(range(40)), small_stream[1].test)
+    with pytest.raises(ValueError, match="do not match its splits"):
+        PairStreamLearner(
+            PairStream([shorter]),
+            encoders,
+            _args(tmp_path),
+            features=[encode_task(small_stream[1], encoders)],
+        )
     with pytest.raises(ValueError, match="flickr8k pairs"):
         flickr_fashion_pairs(tmp_path, [("flickr8k", "image", "klingon")])
     with pytest.raises(ValueError, match="dns variant"):

@@ -118,7 +118,10 @@ class PairStreamLearner:
         methods: Sequence[PairMethod] | Sequence[str] | str = "vanilla",
         method_args: Mapping[str, Mapping[str, Any]] | None = None,
         clip: CLIPModel | None = None,
+        features: Sequence[TaskFeatures] | None = None,
     ):
+        """`features`: each task's cached encoder features (`encode_task`), to share one encoding between runs;
+        None: `run()` encodes every task."""
         stream.check_encoders(list(encoders))
         dims = {m: int(encoders[m].dim) for m in stream.modalities}
         if len(set(dims.values())) != 1:
@@ -145,7 +148,18 @@ class PairStreamLearner:
         self.output_dir = Path(args.output_dir)
         self.heads = LearnerHeads(self.dim, stream.modalities, bias=args.head_bias)
         self.matrix = ResultsMatrix(stream.task_names, HEADLINE)
-        self.features: list[TaskFeatures] = []
+        self.features: list[TaskFeatures] = list(features or [])
+        if features is not None:
+            if len(self.features) != len(stream):
+                raise ValueError(f"features for {len(self.features)} tasks, the stream has {len(stream)}")
+            for task, cached in zip(stream, self.features, strict=True):
+                rows = (len(task.train), len(task.train), len(task.test), len(task.test))
+                got = (len(cached.train_a), len(cached.train_b), len(cached.test_a), len(cached.test_b))
+                if got != rows or cached.train_a.shape[1] != self.dim:
+                    raise ValueError(
+                        f"task {task.name!r}: cached features {got} x {cached.train_a.shape[1]} do not "
+                        f"match its splits {rows} x {self.dim}"
+                    )
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
         self.timings: list[dict[str, float]] = []
         self.pusher = (
@@ -156,7 +170,8 @@ class PairStreamLearner:
     # ----- the run ------------------------------------------------------------------------------------------------
     def run(self) -> ResultsMatrix:
         """Train every task not yet in a checkpoint; returns the results matrix."""
-        self.features = [encode_task(task, self.encoders) for task in self.stream]
+        if not self.features:
+            self.features = [encode_task(task, self.encoders) for task in self.stream]
         start = self._resume() if self.args.resume else 0
         if start == 0 and self.args.evaluate_initial:
             self.matrix.add_row(INITIAL_LABEL, self.evaluate())
