@@ -192,7 +192,9 @@ def summarize(results: list[dict], labels: list[str], stream, options, prior_not
     for label in labels:
         cells = [
             f"{m:.2f} ± {s:.2f}"
-            for m, s in (stats(label, k) for k in ("final", "bwt", "plasticity", "bwt_cos"))
+            for m, s in (
+                stats(label, k) for k in ("final", "bwt", "plasticity", "bwt_cos", "final_r10", "bwt_r10")
+            )
         ]
         drift = stats(label, "mean_drift")
         ratio = step_ratio[label]
@@ -237,8 +239,25 @@ def main() -> None:
     parser.add_argument("--prior-cache", default="/tmp/hf_ccl_cmcl/prior-model")
     parser.add_argument("--name", default="cmcl_pairs")
     parser.add_argument("--timing-repeats", type=int, default=3)
+    parser.add_argument("--summarize-only", action="store_true", help="Rewrite the .md from the saved .json.")
     options = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if options.summarize_only:
+        results = json.loads((OUT / f"{options.name}.json").read_text(encoding="utf-8"))
+        labels = list(dict.fromkeys(r["config"] for r in results))
+        stream = flickr_fashion_pairs(
+            data_root(),
+            train_per_task=options.train_per_task,
+            test_per_task=options.test_per_task,
+            reserve_train_images=options.prior_images,
+        )
+        note = (
+            f"Prior: random CLIP {MODEL} trained on {options.prior_images} reserved Flickr8k train images "
+            f"(en + de captions) for {options.prior_epochs} epochs, then frozen."
+        )
+        (OUT / f"{options.name}.md").write_text(
+            summarize(results, labels, stream, options, note), encoding="utf-8"
+        )
+        return
     tokenizer, image_processor = load_tokenizer(), load_image_processor(MODEL["image_size"])
     cache = Path(options.prior_cache)
     if (cache / "config.json").exists():
