@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,12 +15,7 @@ from hf_ccl.pairs.learner import PairStreamArguments, PairStreamLearner
 SCRIPT = Path(__file__).parent / "scripts" / "pairs_two_process.py"
 sys.path.insert(0, str(SCRIPT.parent))
 from pairs_two_process import DIM, toy_stream  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from test_distributed import _free_port  # noqa: E402
 
 
 @pytest.mark.multiprocess

@@ -61,7 +61,8 @@ def alignment_matrix(
 ) -> torch.Tensor:
     """A = Z_aᵀ Z_b with Z = W z* (Sec. 3.1): [n, n] raw inner products of the pairs' learner outputs."""
     device = next(heads.parameters()).device
-    return heads(modality_a, xa.to(device)).double() @ heads(modality_b, xb.to(device)).double().T
+    z_a, z_b = heads(modality_a, xa.to(device), modality_b, xb.to(device))
+    return z_a.double() @ z_b.double().T
 
 
 def relative_drift(current: torch.Tensor, reference: torch.Tensor) -> float:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch.func import functional_call
 from transformers import CLIPModel, TrainingArguments
 
 from ..distributed import barrier, is_main_process
@@ -275,17 +276,13 @@ class PairStreamLearner:
 
     def alignment_drift(self, index: int) -> float:
         task, features = self.stream[index], self.features[index]
+        inputs = (task.modality_a, features.train_a, task.modality_b, features.train_b)
         now = alignment_matrix(
             self.heads, task.modality_a, task.modality_b, features.train_a, features.train_b
         )
-        reference = LearnerHeads(self.dim, bias=self.args.head_bias)
-        for modality in self.heads.heads:
-            reference.ensure(modality)
-        reference.load_state_dict(self.snapshots[index])
-        then = alignment_matrix(
-            reference, task.modality_a, task.modality_b, features.train_a, features.train_b
-        )
-        return relative_drift(now, then)
+        with torch.no_grad():  # the heads as they were right after task `index`
+            z_a, z_b = functional_call(self.heads, self.snapshots[index], inputs)
+        return relative_drift(now, z_a.double() @ z_b.double().T)
 
     # ----- checkpoints --------------------------------------------------------------------------------------------
     def _save(self, index: int) -> None:

@@ -58,7 +58,7 @@ class PairTrainer(Trainer):
         self.methods = list(methods)
         self.context = context
         self.model_accepts_loss_kwargs = False
-        self._term_sums: dict[str, float] = {}
+        self._term_sums: dict[str, torch.Tensor | float] = {}
         self._term_count = 0
         self.add_callback(PairMethodHooks(self))
 
@@ -89,7 +89,9 @@ class PairTrainer(Trainer):
             )
         if model.training:
             for name, value in terms.items():
-                self._term_sums[name] = self._term_sums.get(name, 0.0) + float(value.detach())
+                self._term_sums[name] = (
+                    self._term_sums.get(name, 0.0) + value.detach().float()
+                )  # no host sync
             for method in self.methods:
                 for name, value in method.metrics().items():
                     key = f"{method.name}/{name}"
@@ -100,7 +102,7 @@ class PairTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self._term_count and "loss" in logs:
             for name, total in self._term_sums.items():
-                mean = total / self._term_count
+                mean = float(total) / self._term_count
                 logs[name if "/" in name else f"loss/{name}"] = (
                     round(mean, 6) if math.isfinite(mean) else mean
                 )

@@ -207,22 +207,10 @@ class PairDNS(PairMethod):
             stored = self.covariances.setdefault(modality, {})
             counts = self.counts.setdefault(modality, {"in": 0, "out": 0})
             y = outputs[partner[modality]]
-            if self.config.counts == "global":
-                # The official code's one counter over all modalities: every storage is rescaled by n̄/(n̄+n).
-                scale = self.global_count / (self.global_count + rows)
-                for key, gram in (("in", x.double().T @ x.double()), ("out", y.T @ y)):
-                    previous = stored.get(key)
-                    stored[key] = gram / (self.global_count + rows) + (
-                        0 if previous is None else previous * scale
-                    )
-                    counts[key] = self.global_count + rows
-            else:
-                stored["in"], counts["in"] = merge_second_moment(
-                    stored.get("in"), counts["in"], x.double().T @ x.double(), rows
-                )
-                stored["out"], counts["out"] = merge_second_moment(
-                    stored.get("out"), counts["out"], y.T @ y, rows
-                )
+            for key, gram in (("in", x.double().T @ x.double()), ("out", y.T @ y)):
+                # per-modality n̄ (paper), or the official code's one counter over all modalities (A5)
+                seen = self.global_count if self.config.counts == "global" else counts[key]
+                stored[key], counts[key] = merge_second_moment(stored.get(key), seen, gram, rows)
         if self.config.counts == "global":
             self.global_count += rows
         self.projectors, self._before_step = {}, {}
