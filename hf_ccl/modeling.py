@@ -35,9 +35,12 @@ LEGACY_EOS_TOKEN_ID = 2
 
 @dataclass
 class ContinualCLIPOutput(CLIPOutput):
-    """`CLIPOutput` plus the global batch: normalised embeddings gathered from every process (with gradients
-    for this process's rows), the global logit matrix (image rows, text columns) and the positive mask."""
+    """`CLIPOutput` plus this process's projected features before normalisation (`image_features`,
+    `text_features`) and the global batch: normalised embeddings gathered from every process (with gradients for
+    this process's rows), the global logit matrix (image rows, text columns) and the positive mask."""
 
+    image_features: torch.Tensor | None = None
+    text_features: torch.Tensor | None = None
     all_image_embeds: torch.Tensor | None = None
     all_text_embeds: torch.Tensor | None = None
     global_logits_per_image: torch.Tensor | None = None
@@ -190,21 +193,38 @@ class ContinualCLIPModel(CLIPModel):
         return_loss: bool | None = None,
         text_hash: torch.Tensor | None = None,
         image_hash: torch.Tensor | None = None,
+        features_only: bool = False,
         **kwargs: Any,
     ) -> ContinualCLIPOutput:
         """Like `CLIPModel.forward`, but the loss runs over the global batch and honours a positive mask.
 
         `text_hash` / `image_hash` (int64 per example, from `CLIPCollator`) mark duplicate texts and images: the
         pairs that share either are positives of each other (DESIGN.md, "Positives in a batch").
+        `features_only=True` stops after the towers: the output holds only `image_features` and `text_features`
+        (what `ContinualTrainer`'s exact gradient accumulation encodes chunk by chunk; `contrastive_outputs` does
+        the rest over the whole accumulated batch).
         """
         kwargs.pop("num_items_in_batch", None)
-        image_embeds = nn.functional.normalize(as_embedding(self.get_image_features(pixel_values=pixel_values)), dim=-1)
-        text_embeds = nn.functional.normalize(
-            as_embedding(
-                self.get_text_features(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-            ),
-            dim=-1,
+        image_features = as_embedding(self.get_image_features(pixel_values=pixel_values))
+        text_features = as_embedding(
+            self.get_text_features(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
         )
+        if features_only:
+            return ContinualCLIPOutput(image_features=image_features, text_features=text_features)
+        return self.contrastive_outputs(image_features, text_features, text_hash, image_hash, return_loss=return_loss)
+
+    def contrastive_outputs(
+        self,
+        image_features: torch.Tensor,
+        text_features: torch.Tensor,
+        text_hash: torch.Tensor | None = None,
+        image_hash: torch.Tensor | None = None,
+        return_loss: bool | None = None,
+    ) -> ContinualCLIPOutput:
+        """Everything after the towers, from this process's projected features: normalisation, the global batch
+        (differentiable all-gather), the logits, the positive mask and (with `return_loss`) the contrastive loss."""
+        image_embeds = nn.functional.normalize(image_features, dim=-1)
+        text_embeds = nn.functional.normalize(text_features, dim=-1)
         scale = self.logit_scale.exp()
         logits_per_text = scale * text_embeds @ image_embeds.t()
 
@@ -224,6 +244,8 @@ class ContinualCLIPModel(CLIPModel):
             logits_per_text=logits_per_text,
             text_embeds=text_embeds,
             image_embeds=image_embeds,
+            image_features=image_features,
+            text_features=text_features,
             all_image_embeds=all_image_embeds,
             all_text_embeds=all_text_embeds,
             global_logits_per_image=global_logits,

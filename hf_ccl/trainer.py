@@ -5,6 +5,7 @@ One Trainer trains one task (fresh optimizer and schedule); `hf_ccl.continual.Co
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Sequence
@@ -12,8 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils.memory import clear_device_cache
 from transformers import Trainer, TrainerCallback
 
+from .accumulation import Batch, accumulated_backward
 from .distributed import is_main_process, rank
 from .methods.base import ContinualMethod, TaskContext
 from .methods.state import load_method_states, save_method_states
@@ -38,7 +41,7 @@ class MethodHooksCallback(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):  # noqa: ANN001 (Trainer callback protocol)
         trainer = self.trainer
-        model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+        model = trainer.unwrapped_model()
         if trainer.context is not None:
             trainer.context.global_step = state.global_step
         for method in trainer.methods:
@@ -49,7 +52,7 @@ class MethodHooksCallback(TrainerCallback):
         """Clamp CLIP's temperature after each step, as OpenAI CLIP training does: exp(logit_scale) <= 100; clear
         the gradients of the methods' own parameters (the Trainer's `model.zero_grad()` does not reach them).
         Each method's `post_optimizer_step` runs first."""
-        model = self.trainer.accelerator.unwrap_model(self.trainer.model_wrapped)
+        model = self.trainer.unwrapped_model()
         for method in self.trainer.methods:
             method.post_optimizer_step(model, self.trainer.context)
         for method in self.trainer.methods:
@@ -68,6 +71,13 @@ class ContinualTrainer(Trainer):
     `compute_loss` returns `contrastive + sum(method terms)` (the method terms alone when a method sets
     `replaces_contrastive_loss`); each term is averaged over the logging window and logged as `loss/<name>`. A NaN
     or infinite loss stops training with `NonFiniteLossError`.
+
+    Gradient accumulation is exact for the contrastive loss and every method term (`hf_ccl.accumulation`): the
+    micro-batches of one optimizer step are kept until the last one arrives, and the loss is computed once over
+    all of them, so `per_device_train_batch_size=32, gradient_accumulation_steps=2` trains as `64 x 1` does.
+    Mixed precision (`bf16`/`fp16`) covers the whole loss computation, the methods' teachers and momentum models
+    included, not only the model's forward. Methods always see the unwrapped model (no DDP or `torch.compile`
+    wrapper, so their parameter names are the model's own).
 
     The optimizer is the Trainer's own, with two method hooks: parameters named by a method's `no_weight_decay`
     go to the group without weight decay, and each method's `optimizer_parameters` are added as one more group
@@ -91,6 +101,13 @@ class ContinualTrainer(Trainer):
         self._term_sums: dict[str, torch.Tensor] = {}
         self._metric_sums: dict[str, float] = {}
         self._term_count = 0
+        self._pending_chunks: list[Batch] = []  # micro-batches of the optimizer step in progress
+        if self.args.gradient_accumulation_steps > 1 and self.is_deepspeed_enabled:
+            raise ValueError(
+                "gradient_accumulation_steps > 1 with DeepSpeed is not supported: DeepSpeed accumulates itself, so the "
+                "contrastive loss would only see one micro-batch. Use a larger per_device_train_batch_size or no "
+                "DeepSpeed."
+            )
         self.add_callback(MethodHooksCallback(self))
         if self.context is not None:
             self.context.extras["training_args"] = self.args
@@ -129,6 +146,67 @@ class ContinualTrainer(Trainer):
             self.context.extras["optimizer"] = optimizer
         return optimizer
 
+    def unwrapped_model(self, model: torch.nn.Module | None = None) -> torch.nn.Module:
+        """The model without its DDP, mixed-precision or `torch.compile` wrappers: what methods see."""
+        return self.accelerator.unwrap_model(model if model is not None else self.model_wrapped,
+                                             keep_torch_compile=False)
+
+    def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager:
+        """The run's autocast (bf16/fp16) around the whole loss: accelerate only wraps the model's own forward, and
+        the methods' teachers and momentum models would otherwise run in float32."""
+        return self.accelerator.autocast()
+
+    def training_step(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, torch.Tensor | Any],
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor:
+        """One micro-batch. Before the last micro-batch of an optimizer step, it is only kept (and 0 is returned);
+        the last one runs forward and backward over all of them (`hf_ccl.accumulation`), so the loss and every
+        method term see the whole accumulated batch. Returns the loss of that batch."""
+        if not self.accelerator.gradient_state.sync_gradients:
+            self._pending_chunks.append(inputs)
+            return torch.zeros((), device=self.args.device)
+        chunks = [self._prepare_inputs(chunk) for chunk in (*self._pending_chunks, inputs)]
+        self._pending_chunks = []
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        if len(chunks) == 1:
+            with self.compute_loss_context_manager():
+                loss = self.compute_loss(model, chunks[0])
+            self.accelerator.backward(loss)
+        else:
+            loss = self._accumulated_step(model, chunks)
+        empty_every = self.args.torch_empty_cache_steps
+        if empty_every is not None and self.state.global_step % empty_every == 0:
+            clear_device_cache()
+        return loss.detach()
+
+    def _accumulated_step(self, model: torch.nn.Module, chunks: list[Batch]) -> torch.Tensor:
+        """Forward and backward over several micro-batches as one batch (`hf_ccl.accumulation`)."""
+        unwrapped = self.unwrapped_model(model)
+
+        def encode(chunk: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+            with self.compute_loss_context_manager():
+                outputs = model(**chunk, features_only=True)
+            return outputs.image_features, outputs.text_features
+
+        def batch_loss(batch: Batch, image_features: torch.Tensor, text_features: torch.Tensor) -> torch.Tensor:
+            with self.compute_loss_context_manager():
+                outputs = unwrapped.contrastive_outputs(
+                    image_features, text_features, batch.get("text_hash"), batch.get("image_hash"),
+                    return_loss=not self.replaces_contrastive_loss,
+                )
+                return self._total_loss(unwrapped, batch, outputs)
+
+        parameters = [*unwrapped.parameters(), *(p for method in self.methods for p in method.optimizer_parameters())]
+        return accumulated_backward(
+            chunks, encode, batch_loss, parameters, self.accelerator.backward,
+            no_sync=lambda: self.accelerator.no_sync(model),
+        )
+
     def compute_loss(
         self,
         model: torch.nn.Module,
@@ -136,14 +214,17 @@ class ContinualTrainer(Trainer):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
-        replaced = self.replaces_contrastive_loss
-        outputs = model(**inputs, return_loss=not replaced)
-        terms = {} if replaced else {CONTRASTIVE_TERM: outputs.loss}
-        if self.methods:
-            unwrapped = self.accelerator.unwrap_model(model)
-            for method in self.methods:
-                for name, value in method.loss_terms(unwrapped, inputs, outputs, self.context).items():
-                    terms[f"{method.name}/{name}"] = value
+        outputs = model(**inputs, return_loss=not self.replaces_contrastive_loss)
+        loss = self._total_loss(self.unwrapped_model(model), inputs, outputs)
+        return (loss, outputs) if return_outputs else loss
+
+    def _total_loss(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor], outputs: Any) -> torch.Tensor:
+        """The contrastive loss (unless a method replaces it) plus every method's terms, checked to be finite and
+        summed on the device for logging."""
+        terms = {} if self.replaces_contrastive_loss else {CONTRASTIVE_TERM: outputs.loss}
+        for method in self.methods:
+            for name, value in method.loss_terms(model, inputs, outputs, self.context).items():
+                terms[f"{method.name}/{name}"] = value
         if not terms:
             raise ValueError("A method replaces the contrastive loss but no method returned a loss term")
         loss = torch.stack([term.float() for term in terms.values()]).sum()
@@ -157,7 +238,7 @@ class ContinualTrainer(Trainer):
                     key = f"{method.name}/{name}"
                     self._metric_sums[key] = self._metric_sums.get(key, 0.0) + float(value)
             self._term_count += 1
-        return (loss, outputs) if return_outputs else loss
+        return loss
 
     def _check_finite(self, loss: torch.Tensor, terms: dict[str, torch.Tensor]) -> None:
         if torch.isfinite(loss):

@@ -35,6 +35,8 @@ def test_two_processes_match_one(tmp_path):
         assert report["world_size"] == 2
         assert abs(report["distributed_loss"] - report["reference_loss"]) < 1e-5
         assert report["max_grad_diff"] < 1e-5
+        assert abs(report["accumulated_loss"] - report["accumulated_reference_loss"]) < 1e-5
+        assert report["accumulated_max_grad_diff"] < 1e-5
         assert report["rows"] == 2
     assert reports[0]["param_sum"] == reports[1]["param_sum"]
     assert reports[0]["param_abs_sum"] == reports[1]["param_abs_sum"]

@@ -257,8 +257,8 @@ class CLLCLIP(ContinualMethod):
     name = "cllclip"
     config_class = CLLCLIPConfig
     config: CLLCLIPConfig
-    # The teacher encodes each example's image and English caption once per task (cached), and the student's text
-    # features are computed by one more text pass: about one extra forward per example.
+    # The teacher encodes each example's image and English caption (once per task with its cache): at most one
+    # extra forward per example.
     extra_forward_passes = 1.0
     replaces_contrastive_loss = True
 
@@ -332,7 +332,9 @@ class CLLCLIP(ContinualMethod):
         teacher = self._ensure_teacher(model)
         device = inputs["input_ids"].device
         teacher.to(device)
-        student = model.embed_texts(inputs["input_ids"], inputs.get("attention_mask"), normalize=False)  # r^F
+        student = outputs.text_features  # r^F: the model's projected text features, before normalisation
+        if student is None:
+            raise ValueError("cllclip needs the model's text features in its output (a ContinualCLIPModel)")
         images, english = teacher.features(inputs)  # r^I, r^E
         tau = self.current_temperature(device)
         cl = cross_lingual_loss(student, english, self.config.cl_reduction)

@@ -1,7 +1,8 @@
 """Run under `accelerate launch --multi_gpu --num_processes 2` (gloo, CPU) by tests/test_distributed.py.
 
 1. The global-batch loss on 2 processes (each holding half the batch) equals the one-process loss on the whole batch,
-   and so do the gradients after DDP-style averaging.
+   and so do the gradients after DDP-style averaging; also with each half split into 2 accumulated chunks through a
+   DDP-wrapped model (`hf_ccl.accumulation`), a term on the parameters themselves included.
 2. A 2-task continual run with ContinualTrainer leaves identical parameters on both ranks.
 3. So does every registered method, and the papers' compositions ([modx, er], [ctp, er], [lwf, er]).
 Writes `rank<r>.json` into the folder given as the first argument.
@@ -63,6 +64,58 @@ def global_batch_check(tokenizer, rank: int, world: int) -> dict:
     return {"reference_loss": reference_loss.item(), "distributed_loss": local.loss.item(), "max_grad_diff": max_grad_diff}
 
 
+def accumulation_check(tokenizer, rank: int, world: int) -> dict:
+    """This process's half of the batch in 2 chunks, through DDP, with a penalty on `text_projection`: the
+    all-reduced gradients equal the one-process gradients of the whole batch's loss."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hf_ccl.accumulation import accumulated_backward
+
+    model = tiny_clip(seed=0)
+    model.align_special_tokens(tokenizer)
+    encoding = tokenizer(TEXTS, padding=True, return_tensors="pt")
+    torch.manual_seed(123)
+    pixels = torch.randn(len(TEXTS), 3, 32, 32)
+    text_hash = torch.tensor([zlib.crc32(t.encode()) % 1000 for t in TEXTS])
+    image_hash = torch.arange(len(TEXTS))
+
+    def penalty() -> torch.Tensor:
+        return 1e-2 * model.text_projection.weight.pow(2).sum()
+
+    image_embeds = model.embed_images(pixels)
+    text_embeds = model.embed_texts(encoding.input_ids, encoding.attention_mask)
+    logits = model.logit_scale.exp() * image_embeds @ text_embeds.t()
+    reference_loss = clip_contrastive_loss(logits, positive_mask(text_hash, image_hash)) + penalty()
+    reference_loss.backward()
+    reference_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+
+    wrapped = DistributedDataParallel(model, find_unused_parameters=False)
+    half = len(TEXTS) // world
+    rows = range(rank * half, (rank + 1) * half)
+    chunks = [
+        {"input_ids": encoding.input_ids[part], "attention_mask": encoding.attention_mask[part],
+         "pixel_values": pixels[part], "text_hash": text_hash[part], "image_hash": image_hash[part]}
+        for part in (slice(rows[0], rows[0] + 1), slice(rows[0] + 1, rows[-1] + 1))
+    ]
+
+    def encode(chunk):
+        outputs = wrapped(**chunk, features_only=True)
+        return outputs.image_features, outputs.text_features
+
+    def batch_loss(batch, image_features, text_features):
+        outputs = model.contrastive_outputs(image_features, text_features, batch["text_hash"], batch["image_hash"],
+                                            return_loss=True)
+        return outputs.loss + penalty()
+
+    loss = accumulated_backward(chunks, encode, batch_loss, list(model.parameters()), lambda s: s.backward(),
+                                no_sync=wrapped.no_sync)
+    max_grad_diff = max((p.grad - reference_grads[n]).abs().max().item() for n, p in model.named_parameters()
+                        if n in reference_grads)
+    return {"accumulated_loss": loss.item(), "accumulated_reference_loss": reference_loss.item(),
+            "accumulated_max_grad_diff": max_grad_diff}
+
+
 def continual_run(tokenizer, output_dir: Path) -> dict:
     stream = build_stream("digits", max_train_per_task=128, max_eval_per_task=40)
     stream.tasks = stream.tasks[:2]
@@ -80,22 +133,28 @@ def continual_run(tokenizer, output_dir: Path) -> dict:
 
 
 COMPOSITIONS = (("modx", "er"), ("ctp", "er"), ("lwf", "er"))
+#: Runs repeated with 2 accumulated micro-batches per step (exact accumulation through DDP's no_sync).
+ACCUMULATED = (("finetune",), ("ewc",), ("cllclip",), ("modx", "er"), ("ctp", "er"))
 METHOD_ARGS = {"patching": {"validation_size": 8}}
 
 
 def method_matrix(tokenizer, output_dir: Path) -> dict:
-    """Every registered method (and the papers' compositions) for 2 tasks x 2 steps: parameter checksums."""
+    """Every registered method (and the papers' compositions) for 2 tasks x 2 steps: parameter checksums; the
+    `ACCUMULATED` runs also with gradient_accumulation_steps=2 (keys `accumulate2:<methods>`)."""
     registered = set(available_methods())
-    runs = [(name,) for name in sorted(registered)]
-    runs += [combo for combo in COMPOSITIONS if set(combo) <= registered]
+    runs = [((name,), 1) for name in sorted(registered)]
+    runs += [(combo, 1) for combo in COMPOSITIONS if set(combo) <= registered]
+    runs += [(combo, 2) for combo in ACCUMULATED if set(combo) <= registered]
     stream = build_stream("digits", max_train_per_task=64, max_eval_per_task=10)
     stream.tasks = stream.tasks[:2]
     sums = {}
-    for names in runs:
+    for names, accumulation in runs:
+        key = "+".join(names) if accumulation == 1 else f"accumulate{accumulation}:" + "+".join(names)
         args = ContinualArguments(  # a compute budget of 2 steps per task (Oracle needs one for its t x C)
-            output_dir=str(output_dir / "+".join(names)),
-            training={"per_device_train_batch_size": 8, "learning_rate": 1e-3},
-            samples_per_task=2 * 8 * world_size(),
+            output_dir=str(output_dir / key.replace(":", "_")),
+            training={"per_device_train_batch_size": 8, "learning_rate": 1e-3,
+                      "gradient_accumulation_steps": accumulation},
+            samples_per_task=2 * 8 * accumulation * world_size(),
             progress=False,
         )
         options = {name: METHOD_ARGS[name] for name in names if name in METHOD_ARGS}
@@ -104,7 +163,7 @@ def method_matrix(tokenizer, output_dir: Path) -> dict:
         )
         learner.fit()
         params = torch.cat([p.detach().flatten() for p in learner.model.parameters()])
-        sums["+".join(names)] = params.double().abs().sum().item()
+        sums[key] = params.double().abs().sum().item()
     return {"method_param_sums": sums}
 
 
@@ -116,6 +175,7 @@ def main() -> None:
     report = {
         "world_size": world,
         **global_batch_check(tokenizer, rank, world),
+        **accumulation_check(tokenizer, rank, world),
         **continual_run(tokenizer, output_dir),
         **method_matrix(tokenizer, output_dir),
     }
