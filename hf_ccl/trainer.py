@@ -151,6 +151,16 @@ class ContinualTrainer(Trainer):
         return self.accelerator.unwrap_model(model if model is not None else self.model_wrapped,
                                              keep_torch_compile=False)
 
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """`Trainer.train`, then the model handed back bare: accelerate marks a prepared model (through a
+        `torch.compile` wrapper the mark lands on the model itself) and patches its forward for autocast, and the
+        next task's Trainer would then skip compiling and wrapping it."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            model = self.accelerator.unwrap_model(self.model_wrapped, keep_fp32_wrapper=False, keep_torch_compile=False)
+            model.__dict__.pop("_is_accelerate_prepared", None)
+
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager:
         """The run's autocast (bf16/fp16) around the whole loss: accelerate only wraps the model's own forward, and
         the methods' teachers and momentum models would otherwise run in float32."""
