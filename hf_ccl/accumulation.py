@@ -23,6 +23,8 @@ from typing import Any
 import torch
 
 Batch = dict[str, Any]
+#: Forward passes per example that exact accumulation adds (each chunk is encoded once more, with gradients).
+REENCODE_PASSES = 1.0
 #: The projected features of one chunk: (image_features, text_features), before normalisation.
 Features = tuple[torch.Tensor, torch.Tensor]
 

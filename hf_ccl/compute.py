@@ -9,7 +9,8 @@ proportional to samples seen (specs/ticclip.md §1.5: MACs ≈ 2.1e10 × samples
 The forward MACs per sample are measured once per task with `torch.utils.flop_counter.FlopCounterMode` on a real
 training batch (FLOPs / 2); a training step costs about 3 forward passes (forward + backward, the usual estimate);
 methods that run frozen models add their forward passes (`ContinualMethod.extra_forward_passes`: LwF and Mod-X 1,
-CTP 2), which is how TiC-CLIP arrives at 1.2x for LwF.
+CTP 2), which is how TiC-CLIP arrives at 1.2x for LwF. With `gradient_accumulation_steps > 1` every example is
+encoded once more (`hf_ccl.accumulation`: features without gradients first, then again with them): one more pass.
 """
 
 from __future__ import annotations

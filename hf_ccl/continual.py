@@ -42,6 +42,7 @@ from transformers import (
 from transformers.trainer_utils import get_last_checkpoint, load_sharded_checkpoint
 
 from . import __version__
+from .accumulation import REENCODE_PASSES
 from .cards import write_model_card
 from .compute import TaskCompute, forward_macs_per_sample, load_compute, save_compute, task_compute
 from .data.collate import CLIPCollator
@@ -536,7 +537,8 @@ class ContinualLearner:
         context.extras["log_history"] = trainer.state.log_history
         self.compute.append(task_compute(
             context.task.name, trainer.state.global_step, global_batch_size(trainer.args.to_dict()), macs_per_sample,
-            sum(method.extra_forward_passes for method in self.methods),
+            sum(method.extra_forward_passes for method in self.methods)
+            + (REENCODE_PASSES if training_args.gradient_accumulation_steps > 1 else 0.0),
         ))
 
     def _forward_macs(self, collator: CLIPCollator, dataset: Any) -> float:
