@@ -102,11 +102,11 @@ class ContinualTrainer(Trainer):
         self._metric_sums: dict[str, float] = {}
         self._term_count = 0
         self._pending_chunks: list[Batch] = []  # micro-batches of the optimizer step in progress
-        if self.args.gradient_accumulation_steps > 1 and self.is_deepspeed_enabled:
+        if self.args.gradient_accumulation_steps > 1 and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
             raise ValueError(
-                "gradient_accumulation_steps > 1 with DeepSpeed is not supported: DeepSpeed accumulates itself, so the "
-                "contrastive loss would only see one micro-batch. Use a larger per_device_train_batch_size or no "
-                "DeepSpeed."
+                "gradient_accumulation_steps > 1 is not supported with DeepSpeed or FSDP: hf_ccl's exact contrastive "
+                "accumulation (hf_ccl.accumulation) is only implemented for one process and DDP. Use a larger "
+                "per_device_train_batch_size instead."
             )
         self.add_callback(MethodHooksCallback(self))
         if self.context is not None:
