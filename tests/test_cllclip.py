@@ -101,7 +101,9 @@ def test_loss_terms_are_weighted_eqs_2_and_3(stream, tokenizer):
     method.on_task_start(context)
     collator = CLIPCollator(load_image_processor(32), tokenizer, seed=0, **method.collator_options(context))
     batch = collator([stream[1].train[i] for i in range(4)])
-    terms = method.loss_terms(model, batch, None, context)
+    outputs = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    pixel_values=batch["pixel_values"], features_only=True)
+    terms = method.loss_terms(model, batch, outputs, context)
     with torch.no_grad():
         r_f = model.embed_texts(batch["input_ids"], batch["attention_mask"], normalize=False)
         r_e = model.embed_texts(batch["parallel_input_ids"], batch["parallel_attention_mask"], normalize=False)
@@ -113,7 +115,9 @@ def test_loss_terms_are_weighted_eqs_2_and_3(stream, tokenizer):
     english = CLIPCollator(load_image_processor(32), tokenizer, seed=0, **method.collator_options(context))
     en_batch = english([stream[0].train[i] for i in range(4)])
     assert torch.equal(en_batch["input_ids"], en_batch["parallel_input_ids"])
-    assert method.loss_terms(model, en_batch, None, context)["cross_lingual"].item() == 0.0
+    en_outputs = model(input_ids=en_batch["input_ids"], attention_mask=en_batch["attention_mask"],
+                       pixel_values=en_batch["pixel_values"], features_only=True)
+    assert method.loss_terms(model, en_batch, en_outputs, context)["cross_lingual"].item() == 0.0
 
 
 # ----- training: the teacher, the frozen tower, untouched rows -------------------------------------------------
