@@ -4,8 +4,11 @@ on digits, a mid-task resume, and the CLI."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -145,3 +148,26 @@ def test_cli_unknown_integration_fails_before_anything_is_written(tmp_path, repo
         main(["train", "--config", "recipes/configs/digits.yaml", f"output_dir={tmp_path}",
               f"training.report_to={report_to}"])
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.multiprocess
+def test_two_processes_log_one_run_from_the_main_process(tmp_path):
+    from test_distributed import _free_port
+
+    script = Path(__file__).parent / "scripts" / "two_process_logging.py"
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", str(_free_port()), str(script), str(tmp_path),
+    ]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert [report["world_size"] for report in reports] == [2, 2]
+    assert [report["global_step"] for report in reports] == [6, 6]
+    run = the_run_dir(tmp_path / "run")
+    assert len(list(run.glob("events.out.tfevents.*"))) == 1  # one writer: the main process's
+    scalars = read_scalars(run)
+    assert steps(scalars["train/loss"]) == [1, 2, 3, 4, 5, 6]
+    assert steps(scalars["eval/results/headline_mean"]) == [0, 3, 6]
