@@ -260,7 +260,7 @@ class ContinualLearner:
     # ----- the loop -----------------------------------------------------------------------------------------
     def fit(self) -> ResultsMatrix:
         """Run the whole stream; returns the results matrix (also saved in every checkpoint)."""
-        self.stream_logger = StreamLogger(self.args.training.get("report_to"), self.output_dir)
+        self.stream_logger = StreamLogger(self.args.training.get("report_to"), self.output_dir, self.callbacks)
         resumed = self._find_resume_checkpoint()
         if resumed is not None:
             first_task = self.restore(resumed) + 1

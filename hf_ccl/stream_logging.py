@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-from transformers.integrations import INTEGRATION_TO_CALLBACK, get_reporting_integration_callbacks
+from transformers.integrations import get_reporting_integration_callbacks
 
 from .compute import TaskCompute
 from .distributed import is_main_process
@@ -37,7 +37,6 @@ SUMMARY_PREFIX = "eval_summary"
 COMPUTE_PREFIX = "compute"
 # What the Trainer passes with every event besides args, state and control; kept to replay stream-level events.
 TRAINER_OBJECTS = ("model", "processing_class", "optimizer", "lr_scheduler", "train_dataloader", "eval_dataloader")
-INTEGRATION_CLASSES = tuple(INTEGRATION_TO_CALLBACK.values())
 # Events passed on with the stream's global step; on_init_end, on_train_begin, on_train_end and on_save have their
 # own rules (see the module docstring).
 SHIFTED_EVENTS = (
@@ -75,11 +74,13 @@ class StreamLogger(TrainerCallback):
     (those finished before a resume included); `log_results` after each evaluation; `end` after the last task.
     """
 
-    def __init__(self, report_to: str | Sequence[str] | None, run_dir: str | Path):
+    def __init__(self, report_to: str | Sequence[str] | None, run_dir: str | Path,
+                 user_callbacks: Sequence[TrainerCallback] = ()):
         self.names = integration_names(report_to)
         self.integrations = reporting_callbacks(report_to)
         self.active = bool(self.integrations) and is_main_process()
         self.run_dir = str(run_dir)
+        self.user_callbacks = list(user_callbacks)
         self.offset = 0
         self.started = False
         self._args: TrainingArguments | None = None
@@ -90,10 +91,13 @@ class StreamLogger(TrainerCallback):
 
     # ----- wiring ----------------------------------------------------------------------------------------------
     def attach(self, trainer: Trainer, offset: int) -> None:
-        """Make `trainer` report through this stream: drop the integration callbacks it made itself, add this one,
-        counting its steps from `offset`."""
+        """Make `trainer` report through this stream, counting its steps from `offset`. The integration callbacks
+        it made itself from `args.report_to` are dropped (the learner passes none, but TrainingArguments adds
+        `kubeflow` inside a Kubeflow job); callbacks given by the user are kept."""
+        made = tuple(get_reporting_integration_callbacks(trainer.args.report_to))
+        user = set(map(id, self.user_callbacks))
         for callback in list(trainer.callback_handler.callbacks):
-            if isinstance(callback, INTEGRATION_CLASSES):
+            if type(callback) in made and id(callback) not in user:
                 trainer.remove_callback(callback)
         self.offset = offset
         if self.active:
@@ -167,7 +171,9 @@ class StreamLogger(TrainerCallback):
 
     @staticmethod
     def _state_at(state: TrainerState, step: int) -> TrainerState:
+        """`state` seen from the stream: `global_step` (and `max_steps`, by as much) moved to `step`."""
         view = copy.copy(state)
+        view.max_steps = state.max_steps + step - state.global_step
         view.global_step = step
         return view
 

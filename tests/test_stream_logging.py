@@ -3,6 +3,7 @@ on digits, a mid-task resume, and the CLI."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -13,16 +14,15 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from tensorboardX.proto import event_pb2
+from transformers import TrainerCallback
 
-pytest.importorskip("tensorboardX")
-from tensorboardX.proto import event_pb2  # noqa: E402
-
-from hf_ccl.cli import main  # noqa: E402
-from hf_ccl.continual import ContinualArguments, ContinualLearner  # noqa: E402
-from hf_ccl.data import build_stream, load_image_processor, load_tokenizer  # noqa: E402
-from hf_ccl.evaluation.matrix import ResultsMatrix  # noqa: E402
-from hf_ccl.methods import build_methods  # noqa: E402
-from hf_ccl.testing import tiny_clip  # noqa: E402
+from hf_ccl.cli import main
+from hf_ccl.continual import ContinualArguments, ContinualLearner
+from hf_ccl.data import build_stream, load_image_processor, load_tokenizer
+from hf_ccl.evaluation.matrix import ResultsMatrix
+from hf_ccl.methods import build_methods
+from hf_ccl.testing import tiny_clip
 
 # 32 training examples per task at batch 16: 2 steps per epoch; the first task trains 2 epochs. Global steps:
 # task 0 -> 1..4, task 1 -> 5..6, task 2 -> 7..8. A Trainer checkpoint after every step (for the resume test).
@@ -63,13 +63,23 @@ def steps(series: list[tuple[int, float]]) -> list[int]:
     return [step for step, _ in series]
 
 
-def run_stream(output_dir: Path, resume: bool = False) -> ContinualLearner:
+class StepRecorder(TrainerCallback):
+    """A user callback: the steps it is shown at each log."""
+
+    def __init__(self):
+        self.steps: list[int] = []
+
+    def on_log(self, args, state, control, **kwargs):  # noqa: ANN001
+        self.steps.append(state.global_step)
+
+
+def run_stream(output_dir: Path, resume: bool = False, callbacks: tuple = ()) -> ContinualLearner:
     stream = build_stream("digits", max_train_per_task=32, max_eval_per_task=16)
     stream.tasks = stream.tasks[:3]
     args = ContinualArguments(output_dir=str(output_dir), training=dict(TRAINING), first_task_epochs=2,
                               progress=False, seed=2, resume_from_checkpoint=True if resume else None)
     learner = ContinualLearner(tiny_clip(seed=2), stream, build_methods(["finetune"]), load_image_processor(32),
-                               load_tokenizer(), args)
+                               load_tokenizer(), args, callbacks=list(callbacks))
     learner.fit()
     return learner
 
@@ -77,7 +87,7 @@ def run_stream(output_dir: Path, resume: bool = False) -> ContinualLearner:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("stream-logging")
-    return output_dir, run_stream(output_dir)
+    return output_dir, run_stream(output_dir, callbacks=[StepRecorder()])
 
 
 def test_one_run_with_a_global_step_across_tasks(reference):
@@ -87,6 +97,8 @@ def test_one_run_with_a_global_step_across_tasks(reference):
     assert steps(scalars["train/learning_rate"]) == list(range(1, 9))
     assert steps(scalars["train/train_runtime"]) == TASK_ENDS  # each task's Trainer summary, at its last step
     assert learner.global_step == 8
+    recorder = next(c for c in learner.callbacks if isinstance(c, StepRecorder))
+    assert recorder.steps == [1, 2, 3, 4, 4, 1, 2, 2, 1, 2, 2]  # user callbacks keep each task's own steps
     assert json.loads((output_dir / "task-2" / "continual_state.json").read_text())["global_step"] == 8
 
 
@@ -142,9 +154,14 @@ def test_cli_run_logs_one_tensorboard_run(tmp_path):
     assert steps(scalars["eval/results/digits-89/accuracy"]) == [0, 2, 4, 6, 8, 10]
 
 
-@pytest.mark.parametrize(("report_to", "match"), [("[nope]", "training.report_to: nope is not supported")])
-def test_cli_unknown_integration_fails_before_anything_is_written(tmp_path, report_to, match):
-    with pytest.raises(ValueError, match=match):
+@pytest.mark.parametrize(("report_to", "error", "match"), [
+    ("[nope]", ValueError, "training.report_to: nope is not supported, only azure_ml, "),
+    ("[tensorboard,wandb]", RuntimeError, "training.report_to names 'wandb', which cannot be used here: .*pip install"),
+])
+def test_cli_unusable_integration_fails_before_anything_is_written(tmp_path, report_to, error, match):
+    if "wandb" in report_to and importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    with pytest.raises(error, match=match):
         main(["train", "--config", "recipes/configs/digits.yaml", f"output_dir={tmp_path}",
               f"training.report_to={report_to}"])
     assert not any(tmp_path.iterdir())
