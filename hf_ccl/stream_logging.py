@@ -205,14 +205,14 @@ def results_logs(matrix: ResultsMatrix, label: str, compute: Sequence[TaskComput
     for `matrix.summary()`, and for a trained task with a compute record `compute/samples_seen`, `compute/macs` and
     the totals so far. Undefined values (NaN) are left out."""
     if label == INITIAL_LABEL:
+        if matrix.initial is None:
+            raise ValueError("the results matrix has no initial row")
         row, headline = matrix.initial, matrix.initial_headline()
     else:
         index = next((i for i, row in enumerate(matrix.rows) if row.label == label), None)
         if index is None:
             raise ValueError(f"the results matrix has no row {label!r}; rows: {[r.label for r in matrix.rows]}")
         row, headline = matrix.rows[index], matrix.headline()[index]
-    if row is None:
-        raise ValueError("the results matrix has no initial row")
     logs = {f"{RESULTS_PREFIX}/{task}/{name}": value
             for task, metrics in row.metrics.items() for name, value in metrics.items()}
     finite = [value for value in headline if math.isfinite(value)]
