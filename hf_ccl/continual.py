@@ -69,6 +69,7 @@ from .hub import (
 from .methods.base import ContinualMethod, TaskContext
 from .methods.state import load_method_states, save_method_states
 from .modeling import ContinualCLIPModel
+from .stream_logging import StreamLogger, reporting_callbacks
 from .tokenization import resize_position_embeddings
 from .trainer import MID_TASK_STATE, ContinualTrainer
 
@@ -171,6 +172,7 @@ def validate_training_args(training: dict[str, Any]) -> None:
     managed = sorted(set(training) & set(MANAGED_TRAINING_ARGS))
     if managed:
         raise ValueError(f"Training option(s) {managed} are set by hf_ccl itself; remove them from the config")
+    reporting_callbacks(training.get("report_to"))  # unknown or unusable integrations fail here
 
 
 def validate_stream(stream: TaskStream, args: ContinualArguments | None = None) -> None:
@@ -248,6 +250,8 @@ class ContinualLearner:
         self.pusher: HubPusher | None = None
         self.push_report: PushReport | None = None
         self.compute: list[TaskCompute] = []  # samples seen and MACs per trained task
+        self.global_step = 0  # optimizer steps over the stream so far: the step `training.report_to` logs at
+        self.stream_logger: StreamLogger | None = None  # one logging run per fit()
 
     @property
     def max_length(self) -> int:
@@ -257,6 +261,7 @@ class ContinualLearner:
     # ----- the loop -----------------------------------------------------------------------------------------
     def fit(self) -> ResultsMatrix:
         """Run the whole stream; returns the results matrix (also saved in every checkpoint)."""
+        self.stream_logger = StreamLogger(self.args.training.get("report_to"), self.output_dir, self.callbacks)
         resumed = self._find_resume_checkpoint()
         if resumed is not None:
             first_task = self.restore(resumed) + 1
@@ -265,11 +270,13 @@ class ContinualLearner:
             first_task, last_checkpoint = 0, None
             if self.args.evaluate_initial:
                 self.results.add_row("initial", self.evaluate())
+                self.stream_logger.log_results(self.results, "initial", step=0)
             if self.args.spatial_disorder_task is not None and is_main_process():
                 self._disorder_reference = self._embed_for_disorder()
         self.pusher = self._make_pusher()
         try:
             self._run_tasks(first_task, last_checkpoint)
+            self.stream_logger.end(self.global_step, model=self.model)
         finally:  # even when a task fails, the finished tasks' pushes complete (bounded by timeouts and retries)
             if self.pusher is not None:
                 self.push_report = self.pusher.finish()
@@ -306,6 +313,7 @@ class ContinualLearner:
                 if deployed is not None:
                     self.model = context.model = deployed
             self.results.add_row(task.name, self.evaluate())
+            self.stream_logger.log_results(self.results, task.name, self.global_step, self.compute)
             if self._disorder_reference is not None:
                 self._measure_disorder(task.name)
             for method in self.methods:
@@ -401,6 +409,8 @@ class ContinualLearner:
         except (OSError, ValueError, KeyError) as error:
             raise ValueError(f"Cannot read the results matrix in {folder}: {error}") from error
         self.compute = load_compute(folder)
+        # (checkpoints written before `global_step` was stored: the compute records hold every task's steps)
+        self.global_step = int(state.get("global_step", sum(record.optimizer_steps for record in self.compute)))
         trained = [row.label for row in self.results.rows if row.label != "initial"]
         if len(trained) != index + 1:
             raise ValueError(f"{folder} holds {len(trained)} trained rows in results.json, expected {index + 1}")
@@ -475,6 +485,7 @@ class ContinualLearner:
         for method in self.methods:
             values.update(method.training_overrides(context, dict(values)))
         values["seed"] = self.args.seed + context.task_index
+        values["report_to"] = []  # the stream's integrations report, through self.stream_logger
         values["disable_tqdm"] = not self.args.progress
         if values.get("push_to_hub"):  # mid-task checkpoints through the Trainer, on their own branch
             values.setdefault("hub_model_id", self.args.hub_model_id)
@@ -532,9 +543,11 @@ class ContinualLearner:
             context=context,
             callbacks=self.callbacks,
         )
+        self.stream_logger.attach(trainer, offset=self.global_step)
         macs_per_sample = self._forward_macs(collator, train_dataset)
         trainer.train(resume_from_checkpoint=self._mid_task_checkpoint(trainer.args, context.task_index))
         context.extras["log_history"] = trainer.state.log_history
+        self.global_step += trainer.state.global_step
         self.compute.append(task_compute(
             context.task.name, trainer.state.global_step, global_batch_size(trainer.args.to_dict()), macs_per_sample,
             sum(method.extra_forward_passes for method in self.methods)
@@ -660,6 +673,7 @@ class ContinualLearner:
                 "seed": self.args.seed,
                 "training": self.args.training,
                 "first_task_epochs": self.args.first_task_epochs,
+                "global_step": self.global_step,
                 "hf_ccl_version": __version__,
             }
             (partial / CHECKPOINT_STATE).write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
