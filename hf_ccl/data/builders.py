@@ -610,13 +610,18 @@ def stream_by_class(
     names = list(task_names) if task_names is not None else default_names
     if len(names) != len(groups):
         raise ValueError(f"task_names has {len(names)} names for {len(groups)} class groups")
+    by_name = label_lookup(base.data["eval"], label_column, all_names) is not None  # a column of class names
+    selections = [[all_names[i] for i in group] if by_name else group for group in groups]
     unassigned: drops.SplitCounts = {}
     for role, ds in base.data.items():
         labelled = usable_rows(ds, base.spec)
         drops.count(unassigned, role, drops.NO_LABEL, len(ds) - len(labelled))
-        kept = [_rows_where(ds, label_column, group) for group in groups]
+        kept = [_rows_where(ds, label_column, selection) for selection in selections]
         _count_outside(unassigned, role, len(labelled), kept, drops.CLASS_IN_NO_TASK)
-    items = [replace(base, name=task, where={label_column: group}) for task, group in zip(names, groups, strict=True)]
+    items = [
+        replace(base, name=task, where={label_column: selection})
+        for task, selection in zip(names, selections, strict=True)
+    ]
     stream = _build_stream(name or f"{base.source}-classes{len(groups)}", items, options, unassigned)
     if label_space == "task":
         for task, group in zip(stream.tasks, groups, strict=True):

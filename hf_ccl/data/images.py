@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,7 +82,7 @@ def resolve_image(value: Any, base: PathBase, where: str) -> Any:
         if base.folder is None:
             raise MissingImageError(f"{where}: image path {path!r} is relative, but {base.reason}; give absolute "
                                     "paths")
-        resolved = base.folder / resolved
+        resolved = Path(os.path.normpath(base.folder / resolved))
     if not resolved.is_file():
         relative = "" if Path(path).expanduser().is_absolute() else f" (relative paths resolve against {base.folder})"
         raise MissingImageError(f"{where}: image file {path!r} not found at {resolved}{relative}")
