@@ -330,8 +330,8 @@ def resolve_image_column(
 ) -> Dataset:
     """`dataset` with the path-only cells of its `Image(decode=False)` column made absolute against `base` and
     checked (`hf_ccl.data.images.resolve_image`); `rows` are the source rows of `dataset`'s rows, for errors.
-    A column whose cells all hold bytes is returned as it is, without a pass over the data."""
-    cells = dataset.select_columns([column]).with_format("arrow")[:][column]
+    A column whose cells all hold bytes is returned as it is: only the Arrow validity bitmaps are read."""
+    cells = dataset.data.column(column)  # the whole table (a `select` is an indices mapping): a superset, no copy
     if cells.null_count == 0 and pc.struct_field(cells, "bytes").null_count == 0:
         return dataset
     function = partial(_resolve_batch, column=column, base=base, rows=rows)
