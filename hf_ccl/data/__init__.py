@@ -16,10 +16,12 @@ from .builders import (
     validate_images,
 )
 from .collate import CLIPCollator, load_image_processor, load_tokenizer, stable_hash
-from .images import CorruptImageError, decode_image
+from .dropped import log_dropped
+from .images import CorruptImageError, MissingImageError, decode_image
 from .named import DIGIT_CLASS_NAMES, NAMED_STREAMS, build_stream, describe_streams, digits_dataset
+from .sources import DATA_FILE_READERS
 from .streaming import column_names, is_empty, is_streaming, peek, to_streaming
-from .task import CANONICAL_COLUMNS, Task, TaskKind, TaskStream
+from .task import CANONICAL_COLUMNS, NO_TASK, Task, TaskKind, TaskStream
 from .templates import benchmark_templates, format_template
 
 __all__ = [
@@ -27,8 +29,11 @@ __all__ = [
     "CANONICAL_FEATURES",
     "CLIPCollator",
     "CorruptImageError",
+    "DATA_FILE_READERS",
     "DIGIT_CLASS_NAMES",
+    "MissingImageError",
     "NAMED_STREAMS",
+    "NO_TASK",
     "Task",
     "TaskKind",
     "TaskSource",
@@ -47,6 +52,7 @@ __all__ = [
     "load_image_processor",
     "load_split",
     "load_tokenizer",
+    "log_dropped",
     "peek",
     "resolve_class_names",
     "stable_hash",

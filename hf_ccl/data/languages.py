@@ -23,8 +23,10 @@ from typing import Any
 import numpy as np
 from datasets import Dataset, List, Value
 
+from . import dropped as drops
 from .builders import DatasetSource, load_split, subsample, to_canonical
 from .builders import validate_images as check_images
+from .sources import image_base
 from .task import Task, TaskStream
 
 FLICKR8K_LANGUAGES = ("en", "de", "fr", "cs", "zh", "ug", "bo", "mn")
@@ -61,9 +63,10 @@ def pick_eval_split(data: DatasetSource, languages: Sequence[str], candidates: S
 
 
 def _language_split(
-    dataset: Dataset, rows: np.ndarray, language: str, *, source: str, split: str, english: str
+    dataset: Dataset, rows: np.ndarray, language: str, *, source: str, split: str, english: str, data: DatasetSource
 ) -> Dataset:
-    built = to_canonical(dataset, source=source, split=split, text_column=language, indices=rows.tolist())
+    built = to_canonical(dataset, source=source, split=split, text_column=language, indices=rows.tolist(),
+                         base=image_base(data, split))
     if len(built) != len(rows):  # to_canonical drops rows without captions: none are left by construction
         raise RuntimeError(f"{source}/{split}/{language}: {len(built)} rows built from {len(rows)}")
     all_english = _caption_lists(dataset, english) if english in dataset.column_names else [[] for _ in range(len(dataset))]
@@ -102,23 +105,35 @@ def language_stream(
         raise ValueError(f"No caption column {missing} in {source!r}; its columns: {', '.join(train.column_names)}")
     split = pick_eval_split(data, languages) if eval_split == "auto" else eval_split
     evaluation = load_split(data, split)
-    eval_rows = rows_with_captions(evaluation, languages)
-    if not len(eval_rows):
+    captioned = rows_with_captions(evaluation, languages)
+    if not len(captioned):
         raise ValueError(f"Split {split!r} of {source!r} has no image with captions in every language of {languages}")
-    eval_rows = subsample(eval_rows, max_eval_per_task, seed, name, "eval")
+    eval_rows = subsample(captioned, max_eval_per_task, seed, name, "eval")
+    eval_dropped: drops.SplitCounts = {}
+    drops.count(eval_dropped, "eval", drops.NO_CAPTION_IN_EVERY_LANGUAGE, len(evaluation) - len(captioned))
+    drops.count(eval_dropped, "eval", drops.over_limit("eval"), len(captioned) - len(eval_rows))
     tasks = []
     for language in languages:
-        train_rows = subsample(rows_with_captions(train, [language]), max_train_per_task, seed, name, language, "train")
+        usable = rows_with_captions(train, [language])
+        train_rows = subsample(usable, max_train_per_task, seed, name, language, "train")
         if not len(train_rows):
             raise ValueError(f"Split {train_split!r} of {source!r} has no caption in {language!r}")
-        task_train = _language_split(train, train_rows, language, source=source, split=train_split, english=english)
-        task_eval = _language_split(evaluation, eval_rows, language, source=source, split=split, english=english)
+        dropped = {split: dict(reasons) for split, reasons in eval_dropped.items()}
+        drops.count(dropped, "train", drops.NO_CAPTION, len(train) - len(usable))
+        drops.count(dropped, "train", drops.over_limit("train"), len(usable) - len(train_rows))
+        task_train = _language_split(train, train_rows, language, source=source, split=train_split, english=english,
+                                     data=data)
+        task_eval = _language_split(evaluation, eval_rows, language, source=source, split=split, english=english,
+                                    data=data)
         if validate_images:
             check_images(task_train, f"stream {name!r}, task {language!r}, split {train_split!r}")
             if not tasks:
                 check_images(task_eval, f"stream {name!r}, eval split {split!r}")
-        tasks.append(Task(name=language, train=task_train, eval=task_eval, kind="retrieval", source=source))
-    return TaskStream(name=name, tasks=tasks)
+        tasks.append(Task(name=language, train=task_train, eval=task_eval, kind="retrieval", source=source,
+                          dropped=dropped))
+    stream = TaskStream(name=name, tasks=tasks)
+    drops.log_dropped(stream)
+    return stream
 
 
 def flickr8k_languages(

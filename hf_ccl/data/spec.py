@@ -2,7 +2,8 @@
 
     stream:
       builder: by_column            # by_column | random_split | by_class | by_time | datasets
-      train: pacs                   # a folder under the data root, any local dataset folder, or a Hub dataset id
+      train: pacs                   # a folder or data file under the data root, any local dataset folder or
+                                    # .parquet/.csv/.tsv/.json/.jsonl file, a save_to_disk folder, or a Hub dataset id
       column: domain
       values: [photo, sketch]
       label_column: label
@@ -72,9 +73,10 @@ def check_stream_spec(spec: Mapping[str, Any]) -> None:
 
 
 def resolve_source(value: Any, root: Path) -> Any:
-    """A bare folder name that exists under the data root becomes that folder; anything else is left as is
-    (an absolute or relative local path, a Hub dataset id, or a `datasets.Dataset`)."""
-    if isinstance(value, str) and not Path(value).exists() and (root / value).is_dir():
+    """A relative path that names a folder or file under the data root (and not under the working directory)
+    becomes that path; anything else is left as is (an absolute or relative local path, a Hub dataset id, or a
+    `datasets.Dataset`). See `hf_ccl.data.sources` for the kinds of source."""
+    if isinstance(value, str) and not Path(value).exists() and (root / value).exists():
         return str(root / value)
     return value
 

@@ -93,12 +93,13 @@ def to_streaming(
     shuffle_buffer: int | None = DEFAULT_SHUFFLE_BUFFER,
     seed: int = 0,
 ) -> TaskStream:
-    """A copy of `stream` whose tasks train on streaming `IterableDataset`s (`Dataset.to_iterable_dataset`); eval
-    splits stay map-style. Task k's stream is shuffled with `seed + k`. Tasks already streaming are kept as they are."""
+    """A copy of `stream` whose tasks train on streaming `IterableDataset`s (`Dataset.to_iterable_dataset`), read
+    lazily from the splits' Arrow files; eval splits stay map-style and the drop report is kept. Task k's stream is
+    shuffled with `seed + k`. Tasks already streaming are kept as they are."""
     tasks = []
     for index, task in enumerate(stream):
         train = task.train
         if not is_streaming(train):
             train = streaming_split(train, num_shards=num_shards, shuffle_buffer=shuffle_buffer, seed=seed + index)
         tasks.append(dataclasses.replace(task, train=train))
-    return TaskStream(name=stream.name, tasks=tasks)
+    return dataclasses.replace(stream, tasks=tasks)

@@ -13,6 +13,8 @@ Every task holds two Hugging Face datasets (train and eval) in one canonical sch
 
 Training samples one caption of `texts` per example and step; evaluation uses all of them. A task's `train` may be a
 streaming `datasets.IterableDataset` with the same columns (see `hf_ccl.data.streaming`); `eval` is always a `Dataset`.
+
+Rows a builder leaves out are counted on the stream (`TaskStream.dropped`, see `hf_ccl.data.dropped`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from typing import Literal
 from datasets import Dataset, IterableDataset
 
 CANONICAL_COLUMNS = ("image", "texts", "image_id", "label")
+#: The key of `TaskStream.dropped` for rows that fall in no task.
+NO_TASK = "(no task)"
 TaskKind = Literal["retrieval", "classification"]
 
 
@@ -43,6 +47,9 @@ class Task:
     class_names: list[str] | None = None
     eval_templates: list[str] | None = None
     source: str = ""
+    #: Rows of this task's selection the builder left out: split ("train"/"eval") -> reason -> rows. A train split
+    #: streamed from its source is not counted (rows are skipped as they are read).
+    dropped: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.kind not in ("retrieval", "classification"):
@@ -58,10 +65,15 @@ class Task:
 
 @dataclass
 class TaskStream:
-    """An ordered list of tasks."""
+    """An ordered list of tasks.
+
+    `unassigned` counts the rows of the source that fall in no task (after the last time step, a column value or
+    class in no task, no text before a random split): split -> reason -> rows.
+    """
 
     name: str
     tasks: list[Task] = field(default_factory=list)
+    unassigned: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.tasks)
@@ -75,3 +87,12 @@ class TaskStream:
     @property
     def task_names(self) -> list[str]:
         return [task.name for task in self.tasks]
+
+    @property
+    def dropped(self) -> dict[str, dict[str, dict[str, int]]]:
+        """Every row the builder left out, JSON-ready: task name (`NO_TASK` for rows in no task) -> split -> reason
+        -> rows. Tasks and splits without dropped rows are left out."""
+        report = {task.name: task.dropped for task in self.tasks if any(task.dropped.values())}
+        if any(self.unassigned.values()):
+            report[NO_TASK] = self.unassigned
+        return report
