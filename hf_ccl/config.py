@@ -211,14 +211,17 @@ def available_recipes() -> dict[str, Path]:
     return {path.stem: path for path in sorted(recipes_folder().glob(f"*{RECIPE_SUFFIX}"))}
 
 
-def recipe_description(path: Path) -> str:
-    """The first line of a recipe's leading comment."""
+def recipe_description(path: Path, limit: int = 110) -> str:
+    """The first sentence of a recipe's leading comment (shortened to `limit` characters)."""
+    lines = []
     for line in path.read_text(encoding="utf-8").splitlines():
-        if line.startswith("#"):
-            return line.lstrip("# ").strip()
-        if line.strip():
+        if not line.startswith("#"):
             break
-    return ""
+        lines.append(line.lstrip("#").strip())
+    text = " ".join(lines)
+    end = text.find(". ")
+    sentence = text[: end + 1] if end >= 0 else text
+    return sentence if len(sentence) <= limit else sentence[: limit - 3].rstrip() + "..."
 
 
 def resolve_config(name_or_path: str | Path) -> Path:
@@ -258,16 +261,24 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         source = resolve_config(path)
         values = read_yaml(source)
-    known_keys(values, config_fields(), f"config key(s) in {source}" if source else "config key(s)")
+    known_keys(values, config_fields(), "config key(s)", str(source or ""), listing="valid keys")
     if "training" in values:  # a config's training section extends the defaults
         values["training"] = {**_default_training(), **(values["training"] or {})}
     values = apply_overrides(values, overrides or [])
     try:
         return RunConfig(**values)
     except ConfigError as error:
-        where = [str(source)] if source else []
-        where += ["the overrides"] if overrides else []
-        raise ConfigError(f"{error} (in {' or '.join(where)})" if where else str(error)) from error
+        raise ConfigError(f"{error} ({where_given(error.key, source, overrides or [])})", error.key) from error
+
+
+def where_given(key: str | None, source: Path | None, overrides: list[str]) -> str:
+    """Where the value of a dotted `key` came from: "in the overrides", "in <file>", or both when unknown."""
+    overridden = [".".join(parse_override(text)[0]) for text in overrides]
+    if key is not None and any(key == o or key.startswith((o + ".", o + "[")) for o in overridden):
+        return "in the overrides"
+    if key is not None or not overrides:
+        return f"in {source}" if source else "in the defaults"
+    return f"in {source} or the overrides" if source else "in the overrides"
 
 
 def save_config(config: RunConfig, path: str | Path) -> None:

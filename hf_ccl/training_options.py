@@ -20,8 +20,8 @@ from transformers import TrainingArguments
 
 from .validation import (
     ConfigError,
+    check_count_or_fraction,
     check_range,
-    check_step_count,
     check_value,
     type_hints,
 )
@@ -105,12 +105,12 @@ def check_training_args(training: Mapping[str, Any]) -> dict[str, Any]:
         )
     for key in training:
         if key in REFUSED:
-            raise ConfigError(f"training.{key} is not taken: {REFUSED[key]}")
+            raise ConfigError(f"training.{key} is not taken: {REFUSED[key]}", f"training.{key}")
     checked = {key: check_value(f"training.{key}", value, fields[key]) for key, value in training.items()}
     for key, value in checked.items():
         reasons = REFUSED_VALUES.get(key, {})
         if _hashable(value) and value in reasons:
-            raise ConfigError(f"training.{key}={value!r} is not taken: {reasons[value]}")
+            raise ConfigError(f"training.{key}={value!r} is not taken: {reasons[value]}", f"training.{key}")
     check_training_ranges(checked)
     check_precision(checked)
     _trial(checked)
@@ -149,10 +149,11 @@ def check_training_ranges(training: Mapping[str, Any]) -> None:
     given("ddp_timeout", 0, low_open=True)
     max_steps = training.get("max_steps")
     if max_steps is not None and max_steps != -1 and max_steps < 1:
-        raise ConfigError(f"training.max_steps must be -1 (train for num_train_epochs) or >= 1, got {max_steps!r}")
+        raise ConfigError(f"training.max_steps must be -1 (train for num_train_epochs) or >= 1, got {max_steps!r}",
+                          "training.max_steps")
     for key in ("warmup_steps", "logging_steps", "save_steps"):
         if key in training:
-            check_step_count(f"training.{key}", training[key])
+            check_count_or_fraction(f"training.{key}", training[key])
     for key in ("logging_steps", "save_steps"):
         given(key, 0, low_open=True)
 

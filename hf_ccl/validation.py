@@ -25,10 +25,12 @@ _PLURALS = {float: "numbers", int: "integers", str: "strings", bool: "true/false
 
 
 class ConfigError(ValueError):
-    """A value a user gave is wrong; the message names the key and what to give instead (tokens redacted)."""
+    """A value a user gave is wrong; the message names the key and what to give instead (tokens redacted).
+    `key` is the dotted key of the value, when one value is at fault."""
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, key: str | None = None):
         super().__init__(redact_secrets(message))
+        self.key = key
 
 
 def redact_secrets(text: str) -> str:
@@ -86,7 +88,7 @@ def check_value(key: str, value: Any, annotation: Any) -> Any:
         ok, result = _match(key, value, annotation, convert)
         if ok:
             return result
-    raise ConfigError(f"{key} must be {describe(annotation)}, got {show(value)}")
+    raise ConfigError(f"{key} must be {describe(annotation)}, got {show(value)}", key)
 
 
 def _match(key: str, value: Any, annotation: Any, convert: bool) -> tuple[bool, Any]:
@@ -234,27 +236,29 @@ def check_range(
         requirement = f"{'>' if low_open else '>='} {low}"
     else:
         requirement = f"{'<' if high_open else '<='} {high}"
-    raise ConfigError(f"{key} must be {requirement}{' ' + also if also else ''}, got {show(value)}")
+    raise ConfigError(f"{key} must be {requirement}{' ' + also if also else ''}, got {show(value)}", key)
 
 
 def check_choice(key: str, value: Any, choices: Any) -> None:
     """`ConfigError` unless `value` is one of `choices`."""
     if value not in choices:
-        raise ConfigError(f"{key} must be one of {list(choices)}, got {show(value)}")
+        raise ConfigError(f"{key} must be one of {list(choices)}, got {show(value)}", key)
 
 
-def check_step_count(key: str, value: Any) -> None:
-    """A count of steps that may be a fraction below 1 (transformers' rule for warmup, logging and save steps):
-    >= 0, and a whole number from 1 on."""
+def check_count_or_fraction(key: str, value: Any, unit: str = "steps", whole: str = "the task's steps") -> None:
+    """A count that may also be a fraction below 1 (transformers' rule for warmup, logging and save steps): >= 0,
+    and a whole number from 1 on (`int()` would otherwise cut it silently)."""
     check_range(key, value, 0)
     if isinstance(value, float) and value >= 1 and not value.is_integer():
-        raise ConfigError(f"{key} must be a whole number of steps, or a fraction below 1 of the task's steps, "
-                          f"got {show(value)}")
+        raise ConfigError(
+            f"{key} must be a whole number of {unit}, or a fraction below 1 of {whole}, got {show(value)}", key
+        )
 
 
-def known_keys(given: Mapping[str, Any], valid: Mapping[str, Any] | Any, what: str) -> None:
-    """`ConfigError` naming the unknown keys of `given` (never their values) and listing the valid ones, in their
-    own order."""
+def known_keys(given: Mapping[str, Any], valid: Any, what: str, where: str = "", listing: str = "valid") -> None:
+    """`ConfigError` naming the unknown keys of `given` (never their values) and listing the valid ones in their
+    own order: "Unknown <what> [...]< in where>; <listing>: a, b"."""
     unknown = sorted(set(given) - set(valid))
     if unknown:
-        raise ConfigError(f"Unknown {what} {unknown}; valid: {', '.join(valid)}")
+        place = f" in {where}" if where else ""
+        raise ConfigError(f"Unknown {what} {unknown}{place}; {listing}: {', '.join(valid)}")

@@ -36,7 +36,7 @@ from datasets import Dataset, IterableDataset
 from ..data.task import Task
 from ..distributed import is_distributed, is_main_process
 from ..evaluation.evaluator import evaluate_task
-from ..validation import check_range, check_step_count
+from ..validation import check_count_or_fraction, check_range
 from .base import ContinualMethod, MethodConfig, TaskContext
 from .registry import register_method
 
@@ -223,7 +223,7 @@ class PatchingConfig(MethodConfig):
 
     def __post_init__(self) -> None:
         check_range("validation_size", self.validation_size, 0, low_open=True, also="(a count, or a fraction < 1)")
-        check_step_count("validation_size", self.validation_size)
+        check_count_or_fraction("validation_size", self.validation_size, "rows", "the task's train split")
         check_range("eval_batch_size", self.eval_batch_size, 1)
         if not self.alphas or any(not 0.0 <= a <= 1.0 for a in self.alphas):
             raise ValueError(f"alphas must be a non-empty list in [0, 1], got {self.alphas}")
