@@ -14,6 +14,7 @@ import shlex
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -138,22 +139,45 @@ def _train_command(config_path: str | None, overrides: list[str], debug: bool) -
 
 @contextmanager
 def stop_signals_interrupt() -> Iterator[None]:
-    """While in the block, SIGTERM raises `Interrupted` in the main thread, as SIGINT raises KeyboardInterrupt;
-    a second SIGTERM then ends the process at once. The previous handler is restored after the block."""
+    """While in the block, SIGTERM raises `Interrupted` in the main thread, as SIGINT raises KeyboardInterrupt.
+
+    Python swallows an exception raised while a finalizer or weakref callback runs, and a signal can land there
+    (e.g. in the `gc.collect()` of accelerate's `free_memory`): a watcher thread then sends the signal again, so
+    that it reaches the code that was running. The previous handler and hook are restored after the block."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.getsignal(signal.SIGTERM)
+    previous_handler, previous_hook = signal.getsignal(signal.SIGTERM), sys.unraisablehook
+    swallowed: list[int] = []  # signals whose exception a finalizer swallowed
+    lost, done = threading.Event(), threading.Event()
 
     def interrupt(signum: int, frame: Any) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         raise Interrupted(signum)
 
+    def note_swallowed(unraisable: Any) -> None:  # nothing here may wait: a signal could land in it
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            swallowed.append(getattr(unraisable.exc_value, "signum", signal.SIGINT))
+            lost.set()
+        else:
+            previous_hook(unraisable)
+
+    def send_again() -> None:
+        while not done.is_set():
+            if lost.wait(0.2) and not done.is_set():
+                lost.clear()
+                time.sleep(0.05)  # out of the callback that swallowed it
+                os.kill(os.getpid(), swallowed.pop())
+
+    watcher = threading.Thread(target=send_again, name="hf-ccl-signals", daemon=True)
     signal.signal(signal.SIGTERM, interrupt)
+    sys.unraisablehook = note_swallowed
+    watcher.start()
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        done.set()
+        signal.signal(signal.SIGTERM, previous_handler)
+        sys.unraisablehook = previous_hook
 
 
 def _report_interrupt(
