@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from . import __version__
-from .config import available_recipes, load_config, recipe_description
-from .validation import redact_secrets
+from .config import available_recipes, load_config, recipe_description, resolve_config, where_given
+from .validation import ConfigError, redact_secrets
 
 if TYPE_CHECKING:
     from .config import RunConfig
@@ -99,7 +99,12 @@ def prepare(config_path: str | None, overrides: list[str]) -> RunConfig:
     from .run import check_config
 
     config = load_config(config_path, overrides)
-    check_config(config)
+    try:
+        check_config(config)
+    except ValueError as error:  # name where the value was given
+        source = resolve_config(config_path) if config_path else None
+        key = getattr(error, "key", None)
+        raise ConfigError(f"{error} ({where_given(key, source, overrides)})", key) from error
     return config
 
 

@@ -66,6 +66,7 @@ from .hub import (
     task_branches,
 )
 from .methods.base import ContinualMethod, TaskContext
+from .methods.registry import check_methods
 from .methods.state import load_method_states, save_method_states
 from .modeling import ContinualCLIPModel
 from .tokenization import resize_position_embeddings
@@ -236,6 +237,7 @@ class ContinualLearner:
         callbacks: list[TrainerCallback] | None = None,
     ):
         validate_stream(stream, args)
+        check_methods(methods, args.samples_per_task)
         PartialState()  # joins the process group now when launched distributed (the Trainer would, later)
         self.callbacks = list(callbacks or [])
         self.model = model

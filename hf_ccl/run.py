@@ -20,7 +20,7 @@ from .data.spec import RUN_SUPPLIED, STREAM_BUILDERS, build_stream_from_spec, ch
 from .data.task import TaskStream
 from .distributed import is_main_process
 from .evaluation.matrix import ResultsMatrix
-from .methods import build_methods
+from .methods import build_methods, check_methods
 from .modeling import ContinualCLIPModel, tiny_clip_config
 from .validation import ConfigError, check_mapping, type_hints
 
@@ -64,11 +64,7 @@ def check_config(config: RunConfig, check_paths: bool = True) -> None:
     its options, the methods, their options and their combination, and (`check_paths`) the local paths. The values
     of the config itself (types, ranges, the training section) were checked when it was made."""
     check_stream(config)
-    classes = [type(method) for method in build_methods(config.methods, config.method_args)]
-    budget = [cls.name for cls in classes if cls.needs_compute_budget]
-    if budget and config.samples_per_task is None:
-        raise ConfigError(f"Method(s) {budget} need a compute budget: set samples_per_task (training examples per "
-                          "task; it sets every task's max_steps)")
+    check_methods(build_methods(config.methods, config.method_args), config.samples_per_task)
     if check_paths:
         check_local_paths(config)
 
@@ -94,7 +90,8 @@ def check_stream(config: RunConfig) -> None:
     check_stream_options(config.stream, config.stream_args)
     for key, instead in (("data_root", "data_root"), ("seed", "seed")):
         if key in config.stream_args:
-            raise ConfigError(f"stream_args.{key}: set the top-level {instead} instead (the run passes it)")
+            raise ConfigError(f"stream_args.{key}: set the top-level {instead} instead (the run passes it)",
+                              f"stream_args.{key}")
     hints = {**type_hints(build_stream), **type_hints(NAMED_STREAMS[config.stream])}
     config.stream_args = check_mapping(config.stream_args, hints, "stream_args.")
 
@@ -108,9 +105,10 @@ def check_local_paths(config: RunConfig) -> None:
     if config.tokenizer is not None:
         config.tokenizer = check_source("tokenizer", config.tokenizer, None)
     if config.data_root is not None and not Path(config.data_root).expanduser().is_dir():
-        raise ConfigError(f"data_root: no such folder {config.data_root!r} (the folder of the HF dataset folders)")
+        raise ConfigError(f"data_root: no such folder {config.data_root!r} (the folder of the HF dataset folders)",
+                          "data_root")
     if Path(config.output_dir).expanduser().is_file():
-        raise ConfigError(f"output_dir {config.output_dir!r} is a file, not a folder")
+        raise ConfigError(f"output_dir {config.output_dir!r} is a file, not a folder", "output_dir")
 
 
 def check_source(key: str, value: str, required_file: str | None) -> str:
@@ -118,13 +116,13 @@ def check_source(key: str, value: str, required_file: str | None) -> str:
     path = Path(value).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise ConfigError(f"{key}: {value!r} is a file; give the folder that holds it")
+            raise ConfigError(f"{key}: {value!r} is a file; give the folder that holds it", key)
         if required_file is not None and not (path / required_file).is_file():
             raise ConfigError(f"{key}: the folder {value!r} has no {required_file} (not a saved checkpoint; a task "
-                              "checkpoint is <output_dir>/task-<k>)")
+                              "checkpoint is <output_dir>/task-<k>)", key)
         return str(path) if value.startswith("~") else value
     if looks_local(value):
-        raise ConfigError(f"{key}: no such folder {value!r} (relative paths start from {Path.cwd()})")
+        raise ConfigError(f"{key}: no such folder {value!r} (relative paths start from {Path.cwd()})", key)
     return value
 
 

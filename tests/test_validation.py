@@ -332,3 +332,29 @@ def test_recipe_by_name_and_by_path_and_bare_name_errors():
     with pytest.raises(ConfigError, match="no such file, and no recipe of that name"):
         load_config("recipes/configs/digitz.yaml")
     check_config(load_config("tic-fashion-years", ["methods=[oracle]"]))  # oracle with the recipe's budget: taken
+
+
+def test_the_learner_checks_methods_built_by_hand(tmp_path, clip_tokenizer):
+    """Python users who build methods themselves get the same combination and budget checks, before anything runs."""
+    from hf_ccl.continual import ContinualLearner
+    from hf_ccl.data import build_stream, load_image_processor
+    from hf_ccl.methods.joint import Joint
+    from hf_ccl.methods.replay import ExperienceReplay
+    from hf_ccl.methods.tic import Oracle
+    from hf_ccl.testing import tiny_clip
+
+    stream = build_stream("digits", max_train_per_task=8, max_eval_per_task=4)
+    args = ContinualArguments(output_dir=str(tmp_path / "run"), progress=False)
+    for methods, message in (([Joint(), ExperienceReplay()], "cannot be combined"), ([Oracle()], "compute budget")):
+        with pytest.raises(ConfigError, match=message):
+            ContinualLearner(tiny_clip(seed=0), stream, methods, load_image_processor(32), clip_tokenizer, args)
+    assert not (tmp_path / "run").exists()
+
+
+def test_errors_of_checks_made_after_loading_name_where_the_value_was_given(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("stream: digits\nmethods: [joint]\nmethod_args:\n  joint: {max_examples: 0}\n")
+    err = _refused(tmp_path, capsys, config=str(path))
+    assert f"method_args.joint: max_examples must be >= 1 or null, got 0 (in {path})" in err
+    err = _refused(tmp_path, capsys, "methods=[joint, er]", config=str(path))
+    assert f"(in {path} or the overrides)" in err

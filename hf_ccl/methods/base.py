@@ -58,7 +58,8 @@ class MethodConfig:
             return cls(**checked)
         except ValueError as error:  # the config's own range and choice checks
             message = str(error).removeprefix(f"{name}: ")
-            raise ConfigError(f"method_args.{name}: {message}") from error
+            key = f"method_args.{name}" + (f".{error.key}" if getattr(error, "key", None) else "")
+            raise ConfigError(f"method_args.{name}: {message}", key) from error
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -57,6 +57,16 @@ def check_combination(classes: Sequence[type[ContinualMethod]]) -> None:
                                       f"{why}, and {other.name} {other.roles[role]}")
 
 
+def check_methods(methods: Sequence[ContinualMethod], samples_per_task: int | None = None) -> None:
+    """Methods already built (however they were made), checked as a run uses them: their combination and order,
+    and a compute budget for the methods that need one."""
+    check_combination([type(method) for method in methods])
+    budget = [method.name for method in methods if method.needs_compute_budget]
+    if budget and samples_per_task is None:
+        raise ConfigError(f"Method(s) {budget} need a compute budget: set samples_per_task (training examples per "
+                          "task; it sets every task's max_steps)")
+
+
 def build_methods(
     names: str | Sequence[str], method_args: Mapping[str, Mapping[str, Any]] | None = None
 ) -> list[ContinualMethod]:
