@@ -262,7 +262,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         source = resolve_config(path)
         values = read_yaml(source)
     known_keys(values, config_fields(), "config key(s)", str(source or ""), listing="valid keys")
-    if "training" in values:  # a config's training section extends the defaults
+    if "training" in values and isinstance(values["training"] or {}, dict):  # it extends the defaults
         values["training"] = {**_default_training(), **(values["training"] or {})}
     values = apply_overrides(values, overrides or [])
     try:

@@ -162,6 +162,9 @@ class ContinualArguments:
                 validate_repo_id(self.hub_model_id)
             except HFValidationError as error:
                 raise ConfigError(f"hub_model_id {self.hub_model_id!r} is not a Hub repository id: {error}") from error
+        if self.training.get("push_to_hub") and not (self.hub_model_id or self.training.get("hub_model_id")):
+            raise ConfigError("training.push_to_hub needs a repository: set hub_model_id (or training.hub_model_id)",
+                              "training.push_to_hub")
         resume = self.resume_from_checkpoint
         if isinstance(resume, str) and resume != "auto" and not Path(resume).exists():
             raise ConfigError(f"resume_from_checkpoint: no such folder {resume!r}; give true, 'auto' or the path of a "

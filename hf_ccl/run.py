@@ -60,9 +60,10 @@ def build_run_stream(config: RunConfig) -> TaskStream:
 
 
 def check_config(config: RunConfig, check_paths: bool = True) -> None:
-    """Everything a run is asked to do, checked before any data is read, model built or file written: the stream and
-    its options, the methods, their options and their combination, and (`check_paths`) the local paths. The values
-    of the config itself (types, ranges, the training section) were checked when it was made."""
+    """Everything a run is asked to do, checked before any data is read, model built or file written: every value of
+    the config (types, ranges, the training section; again, in case it changed since it was made), the stream and its
+    options, the methods, their options and their combination, and (`check_paths`) the local paths."""
+    config.validate()
     check_stream(config)
     check_methods(build_methods(config.methods, config.method_args), config.samples_per_task)
     if check_paths:

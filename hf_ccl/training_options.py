@@ -11,7 +11,7 @@ a trial `TrainingArguments` built (nothing is written) so that transformers' own
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import lru_cache
 from typing import Any
 
@@ -86,6 +86,39 @@ REFUSED_VALUES: dict[str, dict[Any, str]] = {
 LOOP_DEFAULTS: dict[str, Any] = {"save_strategy": "no", "report_to": "none", "logging_steps": 10}
 
 
+def _saves(training: Mapping[str, Any]) -> bool:
+    return training.get("save_strategy", LOOP_DEFAULTS["save_strategy"]) != "no"
+
+
+def _pushes(training: Mapping[str, Any]) -> bool:
+    return bool(training.get("push_to_hub"))
+
+
+_SAVE = "training.save_strategy: steps or epoch (hf_ccl's default is 'no': only the task checkpoints are written)"
+_PUSH = "training.push_to_hub: true (the task revisions go to the top-level hub_model_id)"
+#: Fields that do something only together with another setting: {field: (whether it has an effect, what to set)}.
+#: Checked when the field is given a value other than null or false.
+NEEDS: dict[str, tuple[Callable[[Mapping[str, Any]], bool], str]] = {
+    "save_steps": (_saves, _SAVE),
+    "save_total_limit": (_saves, _SAVE),
+    "save_on_each_node": (_saves, _SAVE),
+    "hub_model_id": (_pushes, _PUSH),
+    "hub_revision": (_pushes, _PUSH),
+    "hub_strategy": (_pushes, _PUSH),
+    "hub_always_push": (_pushes, _PUSH),
+    "gradient_checkpointing_kwargs": (lambda t: bool(t.get("gradient_checkpointing")),
+                                      "training.gradient_checkpointing: true"),
+    "activation_checkpointing_kwargs": (lambda t: bool(t.get("activation_checkpointing")),
+                                        "training.activation_checkpointing: true"),
+    "dataloader_persistent_workers": (lambda t: (t.get("dataloader_num_workers") or 0) > 0,
+                                      "training.dataloader_num_workers >= 1"),
+    "warmup_steps": (lambda t: t.get("lr_scheduler_type", "linear") not in NO_WARMUP_SCHEDULES,
+                     "a schedule that warms up (constant_with_warmup, not constant): set one, or training.warmup_steps: 0"),
+}
+#: Schedules that take no warmup.
+NO_WARMUP_SCHEDULES = ("constant", "reduce_lr_on_plateau", "greedy")
+
+
 @lru_cache(maxsize=1)
 def training_fields() -> dict[str, Any]:
     """TrainingArguments' init fields and their annotations."""
@@ -112,6 +145,9 @@ def check_training_args(training: Mapping[str, Any]) -> dict[str, Any]:
         if _hashable(value) and value in reasons:
             raise ConfigError(f"training.{key}={value!r} is not taken: {reasons[value]}", f"training.{key}")
     check_training_ranges(checked)
+    for key, (takes_effect, what) in NEEDS.items():
+        if checked.get(key) not in (None, False, 0) and not takes_effect(checked):
+            raise ConfigError(f"training.{key} has no effect without {what}", f"training.{key}")
     check_precision(checked)
     _trial(checked)
     return checked
