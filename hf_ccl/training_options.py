@@ -11,6 +11,7 @@ a trial `TrainingArguments` built (nothing is written) so that transformers' own
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Mapping
 from functools import lru_cache
 from typing import Any
@@ -20,6 +21,7 @@ from transformers import TrainingArguments
 
 from .validation import (
     ConfigError,
+    check_choice,
     check_count_or_fraction,
     check_range,
     check_value,
@@ -79,9 +81,13 @@ REFUSED_VALUES: dict[str, dict[Any, str]] = {
     "save_only_model": {True: "a mid-task checkpoint without optimizer, scheduler, RNG and method state cannot "
                         "resume its task; task checkpoints (model only) are written after every task anyway"},
     "save_strategy": {"best": "it needs evaluation during training; " + _EVALUATED},
-    "train_sampling_strategy": {"group_by_length": "grouping by length needs tokenized columns, which the "
-                                "stream's datasets do not have"},
+    "train_sampling_strategy": {
+        "group_by_length": "grouping by length needs tokenized columns, which the stream's datasets do not have",
+        "batch_rebalance": "rebalancing by length needs tokenized columns, which the stream's datasets do not have",
+    },
 }
+#: String values TrainingArguments takes for fields that also take a boolean (its annotation says only `str`).
+STRING_CHOICES: dict[str, tuple[str, ...]] = {"include_num_input_tokens_seen": ("all", "non_padding", "no")}
 #: Defaults the loop uses that differ from TrainingArguments' own (the rest of what it sets is refused above).
 LOOP_DEFAULTS: dict[str, Any] = {"save_strategy": "no", "report_to": "none", "logging_steps": 10}
 
@@ -126,6 +132,14 @@ def training_fields() -> dict[str, Any]:
     return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(TrainingArguments) if f.init}
 
 
+@lru_cache(maxsize=1)
+def training_choices() -> dict[str, tuple[Any, ...]]:
+    """The values TrainingArguments lists for a field (its `choices` metadata), and `STRING_CHOICES`."""
+    listed = {f.name: tuple(f.metadata["choices"]) for f in dataclasses.fields(TrainingArguments)
+              if f.init and "choices" in f.metadata}
+    return {**listed, **STRING_CHOICES}
+
+
 def check_training_args(training: Mapping[str, Any]) -> dict[str, Any]:
     """The `training` section checked (only the keys given) and with lossless conversions applied; a
     `ConfigError` naming `training.<key>` at the first problem."""
@@ -141,10 +155,15 @@ def check_training_args(training: Mapping[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"training.{key} is not taken: {REFUSED[key]}", f"training.{key}")
     checked = {key: check_value(f"training.{key}", value, fields[key]) for key, value in training.items()}
     for key, value in checked.items():
+        if key in training_choices() and isinstance(value, str):
+            check_choice(f"training.{key}", value, training_choices()[key])
         reasons = REFUSED_VALUES.get(key, {})
         if _hashable(value) and value in reasons:
             raise ConfigError(f"training.{key}={value!r} is not taken: {reasons[value]}", f"training.{key}")
     check_training_ranges(checked)
+    if "ddp_backend" in checked and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        raise ConfigError("training.ddp_backend needs several processes (accelerate launch or torchrun); this is "
+                          "one process: remove it", "training.ddp_backend")
     for key, (takes_effect, what) in NEEDS.items():
         if checked.get(key) not in (None, False, 0) and not takes_effect(checked):
             raise ConfigError(f"training.{key} has no effect without {what}", f"training.{key}")
