@@ -125,10 +125,15 @@ NEEDS: dict[str, tuple[Callable[[Mapping[str, Any]], bool], str]] = {
 NO_WARMUP_SCHEDULES = ("constant", "reduce_lr_on_plateau", "greedy")
 
 
+#: Annotations of TrainingArguments that say less than the field takes (`fsdp: str | None`, and its help says
+#: "fsdp=True").
+ANNOTATION_FIXES: dict[str, Any] = {"fsdp": bool | str | list[str] | None}
+
+
 @lru_cache(maxsize=1)
 def training_fields() -> dict[str, Any]:
     """TrainingArguments' init fields and their annotations."""
-    hints = type_hints(TrainingArguments)
+    hints = {**type_hints(TrainingArguments), **ANNOTATION_FIXES}
     return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(TrainingArguments) if f.init}
 
 
