@@ -1,28 +1,118 @@
-"""`hf-ccl`: run a continual stream from a YAML config, or list what is available."""
+"""`hf-ccl`: run a continual stream from a shipped recipe or a YAML config, or list what is available.
+
+A mistake in the command or the config, or a run that fails for a reason outside hf_ccl (a file, the network, a
+diverging loss), is reported in one line, `hf-ccl: error: <message>` on stderr; `--debug` (or `HF_CCL_DEBUG=1`)
+adds the traceback. Any other exception is a bug and keeps its traceback. Nothing that looks like a Hub token is
+ever printed. SIGTERM stops a run as Ctrl-C does, with where to resume from.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
+import signal
 import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
-from .config import load_config
+import yaml
+
+from . import __version__
+from .config import available_recipes, load_config, recipe_description, resolve_config, where_given
+from .validation import ConfigError, redact_secrets
+
+if TYPE_CHECKING:
+    from .config import RunConfig
+
+EXIT_FAILED = 1  # the run failed; the message says why
+EXIT_REFUSED = 2  # the command or the config was refused before anything was built or written (argparse's code)
+EXIT_SIGNAL_BASE = 128  # + the signal number: 130 for SIGINT (Ctrl-C), 143 for SIGTERM
+DEBUG_ENV = "HF_CCL_DEBUG"
+#: Errors that come from what was asked or from the environment (files, network, data, a diverging loss): one line.
+#: Any other exception is a bug in hf_ccl or a library and keeps its traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, ImportError, FloatingPointError, yaml.YAMLError)
+EXIT_CODES = """exit codes:
+  0    the run finished (or the listing was printed)
+  1    the run failed (the message says why)
+  2    the command or the config was refused before anything was built or written
+  130  interrupted by Ctrl-C (SIGINT); 143: by SIGTERM. Resume with resume_from_checkpoint=true"""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal, raised in the main thread so that a run stops as it does on Ctrl-C."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-ccl", description="Continual learning for CLIP models.")
+    parser = argparse.ArgumentParser(
+        prog="hf-ccl", description="Continual learning for CLIP models.", epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    debug_help = f"show the traceback of an error (or set {DEBUG_ENV}=1)"
+    parser.add_argument("--debug", action="store_true", help=debug_help)
     commands = parser.add_subparsers(dest="command", required=True)
-    train = commands.add_parser("train", help="Run a continual stream and print the results matrix.")
-    train.add_argument("--config", help="YAML config (see recipes/configs/); default: the built-in defaults.")
-    train.add_argument("overrides", nargs="*", help="Config overrides key=value, e.g. training.num_train_epochs=1")
-    commands.add_parser("list", help="List the named streams and the methods.")
+    train = commands.add_parser(
+        "train", help="Run a continual stream and print the results matrix.", epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    train.add_argument("--config", help="a shipped recipe by name (see `hf-ccl list`) or a YAML file; default: the "
+                       "built-in defaults")
+    train.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
+    train.add_argument("overrides", nargs="*", help="config overrides key=value, e.g. training.num_train_epochs=1")
+    commands.add_parser("list", help="List the shipped recipes, the named streams and the methods.")
     return parser
 
 
-def train_main(config_path: str | None, overrides: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    debug = args.debug or os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
+    if args.command == "list":
+        return list_main()
+    return _train_command(args.config, args.overrides, debug)
+
+
+def list_main() -> int:
+    from .data.named import NAMED_STREAMS
+    from .methods import available_methods
+
+    recipes = available_recipes()
+    width = max(map(len, recipes), default=0)
+    print("recipes (hf-ccl train --config NAME):")
+    for name, path in recipes.items():
+        print(f"  {name:<{width}}  {recipe_description(path)}")
+    print("streams:", ", ".join(sorted(NAMED_STREAMS)))
+    print("methods:", ", ".join(available_methods()))
+    return 0
+
+
+def prepare(config_path: str | None, overrides: list[str]) -> RunConfig:
+    """The run's config, every value and choice checked (nothing is built or written)."""
+    from .run import check_config
+
+    config = load_config(config_path, overrides)
+    try:
+        check_config(config)
+    except ValueError as error:  # name where the value was given
+        source = resolve_config(config_path) if config_path else None
+        key = getattr(error, "key", None)
+        raise ConfigError(f"{error} ({where_given(key, source, overrides)})", key) from error
+    return config
+
+
+def execute(config: RunConfig) -> int:
+    """Run a checked config and print the results matrix."""
     from .distributed import is_main_process
     from .run import run
 
-    config = load_config(config_path, overrides)
     results = run(config)
     if is_main_process():
         print(results.to_markdown())
@@ -30,16 +120,110 @@ def train_main(config_path: str | None, overrides: list[str]) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.command == "list":
-        from .data.named import NAMED_STREAMS
-        from .methods import available_methods
+def train_main(config_path: str | None, overrides: list[str]) -> int:
+    """Load, check and run a config, print the results matrix (errors propagate; `main` reports them)."""
+    return execute(prepare(config_path, overrides))
 
-        print("streams:", ", ".join(sorted(NAMED_STREAMS)))
-        print("methods:", ", ".join(available_methods()))
-        return 0
-    return train_main(args.config, args.overrides)
+
+def _train_command(config_path: str | None, overrides: list[str], debug: bool) -> int:
+    config = None
+    with stop_signals_interrupt():
+        try:
+            config = prepare(config_path, overrides)
+            return execute(config)
+        except KeyboardInterrupt as error:
+            _report_interrupt(error, config, config_path, overrides, debug)
+            return EXIT_SIGNAL_BASE + getattr(error, "signum", signal.SIGINT)
+        except USER_ERRORS as error:
+            _report_error(error, debug)
+            return EXIT_REFUSED if config is None else EXIT_FAILED
+        except Exception as error:  # a bug: its traceback, always (with tokens redacted)
+            _print(_traceback(error))
+            return EXIT_FAILED
+
+
+@contextmanager
+def stop_signals_interrupt() -> Iterator[None]:
+    """While in the block, SIGTERM raises `Interrupted` in the main thread, as SIGINT raises KeyboardInterrupt.
+
+    Python swallows an exception raised while a finalizer or weakref callback runs, and a signal can land there
+    (e.g. in the `gc.collect()` of accelerate's `free_memory`): a watcher thread then sends the signal again, so
+    that it reaches the code that was running. The previous handler and hook are restored after the block."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous_handler, previous_hook = signal.getsignal(signal.SIGTERM), sys.unraisablehook
+    swallowed: list[int] = []  # signals whose exception a finalizer swallowed
+    lost, done = threading.Event(), threading.Event()
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise Interrupted(signum)
+
+    def note_swallowed(unraisable: Any) -> None:  # nothing here may wait: a signal could land in it
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            swallowed.append(getattr(unraisable.exc_value, "signum", signal.SIGINT))
+            lost.set()
+        else:
+            previous_hook(unraisable)
+
+    def send_again() -> None:
+        while not done.is_set():
+            if lost.wait(0.2) and not done.is_set():
+                lost.clear()
+                time.sleep(0.05)  # out of the callback that swallowed it
+                os.kill(os.getpid(), swallowed.pop())
+
+    watcher = threading.Thread(target=send_again, name="hf-ccl-signals", daemon=True)
+    signal.signal(signal.SIGTERM, interrupt)
+    sys.unraisablehook = note_swallowed
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        signal.signal(signal.SIGTERM, previous_handler)
+        sys.unraisablehook = previous_hook
+
+
+def _report_interrupt(
+    error: KeyboardInterrupt, config: RunConfig | None, config_path: str | None, overrides: list[str], debug: bool
+) -> None:
+    from .continual import latest_task_checkpoint
+    from .distributed import is_main_process
+
+    if debug:
+        _print(_traceback(error))
+    if not is_main_process():
+        return
+    name = signal.Signals(getattr(error, "signum", signal.SIGINT)).name
+    how = "Ctrl-C (SIGINT)" if name == "SIGINT" else name
+    if config is None:
+        _print(f"hf-ccl: interrupted by {how} before the run started: nothing was written")
+        return
+    last = latest_task_checkpoint(config.output_dir)
+    if last is None:
+        _print(f"hf-ccl: interrupted by {how}: no task had completed in {config.output_dir}, nothing to resume")
+        return
+    kept = [o for o in overrides if not o.split("=", 1)[0].strip().lstrip("-") == "resume_from_checkpoint"]
+    command = ["hf-ccl", "train", *(["--config", config_path] if config_path else []), *kept,
+               "resume_from_checkpoint=true"]
+    _print(f"hf-ccl: interrupted by {how}. The last complete task checkpoint is {last}; resume with:\n"
+           f"  {shlex.join(command)}")
+
+
+def _report_error(error: BaseException, debug: bool) -> None:
+    if debug:
+        _print(_traceback(error))
+    message = " ".join(str(error).split()) or type(error).__name__
+    _print(f"hf-ccl: error: {message}")
+
+
+def _traceback(error: BaseException) -> str:
+    return "".join(traceback.format_exception(type(error), error, error.__traceback__)).rstrip()
+
+
+def _print(text: str) -> None:
+    print(redact_secrets(text), file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

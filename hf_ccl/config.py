@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from .modeling import tiny_clip_config
+from .validation import (
+    ConfigError,
+    check_dataclass,
+    check_mapping,
+    check_range,
+    check_value,
+    known_keys,
+    type_hints,
+)
+
+if TYPE_CHECKING:
+    from .continual import ContinualArguments
 
 
 def _default_training() -> dict[str, Any]:
@@ -78,25 +92,69 @@ class RunConfig:
     hub_private_repo: bool = field(default=False, metadata={"help": "Create the Hub repo as private."})
     hub_timeout: float = field(default=60.0, metadata={"help": "Seconds before a Hub request is abandoned."})
     hub_retries: int = field(default=3, metadata={"help": "Retries with backoff of a failing Hub request."})
+    hub_retry_backoff: float = field(default=1.0, metadata={"help": "First backoff delay in seconds (doubles)."})
+    save_checkpoints: bool = field(
+        default=True, metadata={"help": "Write output_dir/task-<k>/ after every task (false: results only)."}
+    )
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        """Check the shape of every section; deeper checks happen when each part is built, before training."""
+        """Check the type of every value and the range of every option the run shares with `ContinualArguments`
+        (the `training` section included). Streams, methods and paths are checked by `hf_ccl.run.check_config`,
+        before anything is built."""
         if isinstance(self.methods, str):
             self.methods = [self.methods]
-        model_keys = {"pretrained", "config"}
-        unknown = sorted(set(self.model) - model_keys)
-        if unknown:
-            raise ValueError(f"Unknown model option(s) {unknown}; valid: {sorted(model_keys)}")
-        config_keys = set(inspect.signature(tiny_clip_config).parameters)
-        unknown = sorted(set(self.model.get("config") or {}) - config_keys)
-        if unknown:
-            raise ValueError(f"Unknown model.config option(s) {unknown}; valid: {sorted(config_keys)}")
+        if isinstance(self.method_args, dict):  # `name:` with no options reads as null in YAML
+            self.method_args = {name: options or {} for name, options in self.method_args.items()}
+        check_dataclass(self)
+        known_keys(self.model, MODEL_KEYS, "model option(s)")
+        self.model = {"pretrained": None, "config": {}, **self.model}
+        check_value("model.pretrained", self.model["pretrained"], str | None)
+        model_config = check_value("model.config", self.model["config"], dict[str, Any] | None) or {}
+        known_keys(model_config, inspect.signature(tiny_clip_config).parameters, "model.config option(s)")
+        self.model["config"] = check_mapping(model_config, type_hints(tiny_clip_config), "model.config.")
+        check_model_config(self.model["config"])
+        if self.model["pretrained"] is not None and self.model["config"]:
+            raise ConfigError("model.config describes a random model and has no effect with model.pretrained: "
+                              "remove one of them (override model.config={} to keep the checkpoint)")
+        args = self.continual_arguments()  # ranges and the training section; converted values come back
+        for name in continual_fields():
+            setattr(self, name, getattr(args, name))
+
+    def continual_arguments(self) -> ContinualArguments:
+        """The `ContinualArguments` of this run: every field the two share, by name."""
+        from .continual import ContinualArguments
+
+        return ContinualArguments(**{name: copy.deepcopy(getattr(self, name)) for name in continual_fields()})
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+MODEL_KEYS = ("pretrained", "config")
+
+
+def continual_fields() -> list[str]:
+    """The `ContinualArguments` fields a `RunConfig` sets (every one it has)."""
+    from .continual import ContinualArguments
+
+    own = set(config_fields())
+    return [f.name for f in dataclasses.fields(ContinualArguments) if f.init and f.name in own]
+
+
+def check_model_config(values: dict[str, Any]) -> None:
+    """Ranges of `tiny_clip_config` options (those given)."""
+    for key, value in values.items():
+        if not key.endswith("_token_id"):
+            check_range(f"model.config.{key}", value, 1)
+    hidden, heads = values.get("hidden_size", 64), values.get("num_heads", 2)
+    if hidden % heads:
+        raise ConfigError(f"model.config.hidden_size ({hidden}) must be a multiple of model.config.num_heads ({heads})")
+    image, patch = values.get("image_size", 32), values.get("patch_size", 8)
+    if patch > image:
+        raise ConfigError(f"model.config.patch_size ({patch}) must not exceed model.config.image_size ({image})")
 
 
 def config_fields() -> list[str]:
@@ -108,8 +166,12 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key, sep, value = text.partition("=")
     key = key.strip().lstrip("-")
     if not sep or not key:
-        raise ValueError(f"Override {text!r} is not of the form key=value (e.g. training.num_train_epochs=2)")
-    parsed = yaml.safe_load(value) if value.strip() else None
+        raise ConfigError(f"Override {text!r} is not of the form key=value (e.g. training.num_train_epochs=2)")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"Override of {key}: the value is not valid YAML ({error.__class__.__name__}); quote "
+                          "it, e.g. key='value'") from error
     if isinstance(parsed, str):  # YAML 1.1 reads "1e-3" as a string
         try:
             parsed = float(parsed)
@@ -123,34 +185,100 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
     valid = config_fields()
     for text in overrides:
         path, value = parse_override(text)
-        if path[0] not in valid:
-            raise ValueError(f"Unknown config key {path[0]!r} in override {text!r}; valid keys: {', '.join(valid)}")
+        if path[0] not in valid:  # never the value: it may be a secret typed in the wrong place
+            raise ConfigError(f"Unknown config key {path[0]!r} in an override; valid keys: {', '.join(valid)}")
         target = values
-        for part in path[:-1]:
+        for depth, part in enumerate(path[:-1]):
             if target.get(part) is None:
                 target[part] = {}
             if not isinstance(target[part], dict):
-                raise ValueError(f"Override {text!r}: {part!r} is not a section")
+                raise ConfigError(f"Override of {'.'.join(path)}: {'.'.join(path[: depth + 1])} is not a section")
             target = target[part]
         target[path[-1]] = value
     return values
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Read a YAML config (unknown keys are an error listing the valid ones) and apply overrides."""
-    values: dict[str, Any] = {}
-    if path is not None:
+RECIPE_SUFFIX = ".yaml"
+
+
+def recipes_folder() -> Path:
+    """The recipes shipped inside the package (`hf_ccl/recipes/*.yaml`)."""
+    return Path(str(resources.files("hf_ccl") / "recipes"))
+
+
+def available_recipes() -> dict[str, Path]:
+    """Shipped recipes by name (the file name without `.yaml`)."""
+    return {path.stem: path for path in sorted(recipes_folder().glob(f"*{RECIPE_SUFFIX}"))}
+
+
+def recipe_description(path: Path, limit: int = 110) -> str:
+    """The first sentence of a recipe's leading comment (shortened to `limit` characters)."""
+    lines = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line.lstrip("#").strip())
+    text = " ".join(lines)
+    end = text.find(". ")
+    sentence = text[: end + 1] if end >= 0 else text
+    return sentence if len(sentence) <= limit else sentence[: limit - 3].rstrip() + "..."
+
+
+def resolve_config(name_or_path: str | Path) -> Path:
+    """A YAML file given by path, else a shipped recipe given by name (`digits` or `digits.yaml`)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    recipes = available_recipes()
+    name = path.name[: -len(RECIPE_SUFFIX)] if path.name.endswith(RECIPE_SUFFIX) else path.name
+    if path.parent == Path(".") and name in recipes:
+        return recipes[name]
+    if path.is_dir():
+        raise ConfigError(f"Config {str(name_or_path)!r} is a folder, not a YAML file")
+    raise ConfigError(f"Config {str(name_or_path)!r}: no such file, and no recipe of that name; recipes: "
+                      f"{', '.join(recipes)} (see `hf-ccl list`)")
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """A YAML config file as a mapping (an error naming the file otherwise)."""
+    try:
         with open(path, encoding="utf-8") as handle:
             values = yaml.safe_load(handle) or {}
-        if not isinstance(values, dict):
-            raise ValueError(f"Config {path} must be a mapping of keys to values")
-    unknown = sorted(set(values) - set(config_fields()))
-    if unknown:
-        raise ValueError(f"Unknown config key(s) {unknown} in {path}; valid keys: {', '.join(config_fields())}")
-    if "training" in values:  # a config's training section extends the defaults
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path} is not valid YAML: {error}") from error
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"Cannot read {path}: {error}") from error
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path} must be a mapping of config keys to values, got {type(values).__name__}")
+    return values
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML config (a path, or the name of a shipped recipe), apply overrides, check every value. Unknown
+    keys are errors listing the valid ones."""
+    values: dict[str, Any] = {}
+    source = None
+    if path is not None:
+        source = resolve_config(path)
+        values = read_yaml(source)
+    known_keys(values, config_fields(), "config key(s)", str(source or ""), listing="valid keys")
+    if "training" in values and isinstance(values["training"] or {}, dict):  # it extends the defaults
         values["training"] = {**_default_training(), **(values["training"] or {})}
     values = apply_overrides(values, overrides or [])
-    return RunConfig(**values)
+    try:
+        return RunConfig(**values)
+    except ConfigError as error:
+        raise ConfigError(f"{error} ({where_given(error.key, source, overrides or [])})", error.key) from error
+
+
+def where_given(key: str | None, source: Path | None, overrides: list[str]) -> str:
+    """Where the value of a dotted `key` came from: "in the overrides", "in <file>", or both when unknown."""
+    overridden = [".".join(parse_override(text)[0]) for text in overrides]
+    if key is not None and any(key == o or key.startswith((o + ".", o + "[")) for o in overridden):
+        return "in the overrides"
+    if key is not None or not overrides:
+        return f"in {source}" if source else "in the defaults"
+    return f"in {source} or the overrides" if source else "in the overrides"
 
 
 def save_config(config: RunConfig, path: str | Path) -> None:

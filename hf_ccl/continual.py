@@ -16,7 +16,6 @@ the interrupted task itself resumes from its last one. A finished task is never 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import logging
@@ -29,7 +28,8 @@ from typing import Any
 import torch
 from accelerate import PartialState
 from huggingface_hub import snapshot_download
-from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError, RevisionNotFoundError
+from huggingface_hub.utils import validate_repo_id
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import (
@@ -67,11 +67,14 @@ from .hub import (
     task_branches,
 )
 from .methods.base import ContinualMethod, TaskContext
+from .methods.registry import check_methods
 from .methods.state import load_method_states, save_method_states
 from .modeling import ContinualCLIPModel
 from .stream_logging import StreamLogger, reporting_callbacks
 from .tokenization import resize_position_embeddings
 from .trainer import MID_TASK_STATE, ContinualTrainer
+from .training_options import check_training_args
+from .validation import ConfigError, check_choice, check_dataclass, check_range
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +83,6 @@ DISORDER_REFERENCE = "spatial_disorder_reference.safetensors"
 #: Branch the Trainer's own pushes go to (`training.push_to_hub`): its latest checkpoint in `last-checkpoint/`.
 TRAINING_BRANCH = "training"
 WARMUP_RULES = ("every_task", "first_task")
-# TrainingArguments the loop sets itself: a user value would break the run.
-MANAGED_TRAINING_ARGS = ("output_dir", "remove_unused_columns", "eval_strategy", "do_eval")
 
 
 @dataclass
@@ -143,36 +144,53 @@ class ContinualArguments:
     hub_retry_backoff: float = field(default=1.0, metadata={"help": "First backoff delay in seconds (doubles)."})
 
     def __post_init__(self) -> None:
-        validate_training_args(self.training)
-        if self.warmup not in WARMUP_RULES:
-            raise ValueError(f"warmup must be one of {list(WARMUP_RULES)}, got {self.warmup!r}")
-        if self.samples_per_task is not None:
-            if self.samples_per_task <= 0:
-                raise ValueError(f"samples_per_task must be > 0, got {self.samples_per_task}")
-            if self.first_task_epochs is not None:
-                raise ValueError("samples_per_task fixes every task's compute: leave first_task_epochs unset")
-            if "max_steps" in self.training:  # (num_train_epochs is simply overridden, as max_steps does in HF)
-                raise ValueError("samples_per_task sets each task's max_steps: remove training.max_steps")
+        """Every value checked (type, range, consistency) before anything is built, trained or written."""
         if isinstance(self.resume_from_checkpoint, str) and self.resume_from_checkpoint.lower() in ("true", "false"):
             self.resume_from_checkpoint = self.resume_from_checkpoint.lower() == "true"
+        check_dataclass(self)
+        self.training = validate_training_args(self.training)
+        check_choice("warmup", self.warmup, WARMUP_RULES)
+        check_range("first_task_epochs", self.first_task_epochs, 0, low_open=True, also="or null")
+        check_range("eval_batch_size", self.eval_batch_size, 1)
+        check_range("max_length", self.max_length, 2, also="(room for BOS and EOS) or null")
+        check_range("seed", self.seed, 0, 2**32 - 1)
+        check_range("spatial_disorder_task", self.spatial_disorder_task, 0, also="(a task index) or null")
+        check_range("samples_per_task", self.samples_per_task, 1, also="or null")
+        check_range("hub_timeout", self.hub_timeout, 0, low_open=True)
+        check_range("hub_retries", self.hub_retries, 0)
+        check_range("hub_retry_backoff", self.hub_retry_backoff, 0)
+        if self.hub_model_id is not None:
+            try:
+                validate_repo_id(self.hub_model_id)
+            except HFValidationError as error:
+                raise ConfigError(f"hub_model_id {self.hub_model_id!r} is not a Hub repository id: {error}") from error
+        if self.training.get("push_to_hub") and not (self.hub_model_id or self.training.get("hub_model_id")):
+            raise ConfigError("training.push_to_hub needs a repository: set hub_model_id (or training.hub_model_id)",
+                              "training.push_to_hub")
+        resume = self.resume_from_checkpoint
+        if isinstance(resume, str) and resume != "auto" and not Path(resume).exists():
+            raise ConfigError(f"resume_from_checkpoint: no such folder {resume!r}; give true, 'auto' or the path of a "
+                              "task checkpoint (or run folder)")
+        if self.samples_per_task is not None:
+            if self.first_task_epochs is not None:
+                raise ConfigError("samples_per_task fixes every task's compute: leave first_task_epochs unset")
+            if "max_steps" in self.training:  # (num_train_epochs is simply overridden, as max_steps does in HF)
+                raise ConfigError("samples_per_task sets each task's max_steps: remove training.max_steps")
+            if self.training.get("dataloader_drop_last") is False:
+                raise ConfigError("samples_per_task trains on whole global batches only (dataloader_drop_last is "
+                                  "set): remove training.dataloader_drop_last")
 
 
-def validate_training_args(training: dict[str, Any]) -> None:
-    """Reject unknown or loop-managed TrainingArguments fields before any training starts."""
-    valid = {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
-    unknown = sorted(set(training) - valid)
-    if unknown:
-        raise ValueError(
-            f"Unknown training option(s) {unknown}; valid options are the fields of transformers.TrainingArguments, "
-            f"e.g. num_train_epochs, max_steps, per_device_train_batch_size, learning_rate, warmup_steps, weight_decay"
-        )
-    if "hub_token" in training:
-        raise ValueError("Do not put a Hub token in the config (it would be saved with the run): remove "
-                         "training.hub_token and set HF_TOKEN or run `hf auth login`")
-    managed = sorted(set(training) & set(MANAGED_TRAINING_ARGS))
-    if managed:
-        raise ValueError(f"Training option(s) {managed} are set by hf_ccl itself; remove them from the config")
-    reporting_callbacks(training.get("report_to"))  # unknown or unusable integrations fail here
+def validate_training_args(training: dict[str, Any]) -> dict[str, Any]:
+    """The `training` section checked before any training starts (`hf_ccl.training_options`): unknown fields,
+    fields the loop sets itself or does not use, types, ranges and mixed precision on this machine. Returns the
+    values with lossless conversions applied (a number YAML read as a string)."""
+    checked = check_training_args(training)
+    try:
+        reporting_callbacks(checked.get("report_to"))  # unknown or unusable integrations fail here
+    except (ValueError, RuntimeError) as error:
+        raise ConfigError(str(error), "training.report_to") from error
+    return checked
 
 
 def validate_stream(stream: TaskStream, args: ContinualArguments | None = None) -> None:
@@ -229,6 +247,7 @@ class ContinualLearner:
         callbacks: list[TrainerCallback] | None = None,
     ):
         validate_stream(stream, args)
+        check_methods(methods, args.samples_per_task)
         PartialState()  # joins the process group now when launched distributed (the Trainer would, later)
         self.callbacks = list(callbacks or [])
         self.model = model

@@ -7,19 +7,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
 from transformers import CLIPImageProcessorPil, PreTrainedTokenizerBase
 
 from .compute import compute_summary
 from .config import RunConfig, save_config
-from .continual import ContinualArguments, ContinualLearner
+from .continual import ContinualLearner
 from .data.collate import load_image_processor, load_tokenizer
 from .data.named import NAMED_STREAMS, build_stream, check_stream_options
 from .data.spec import RUN_SUPPLIED, STREAM_BUILDERS, build_stream_from_spec, check_stream_spec
 from .data.task import TaskStream
 from .distributed import is_main_process
 from .evaluation.matrix import ResultsMatrix
-from .methods import build_methods
+from .methods import build_methods, check_methods
 from .modeling import ContinualCLIPModel, tiny_clip_config
+from .validation import ConfigError, check_mapping, type_hints
 
 logger = logging.getLogger(__name__)
 
@@ -56,45 +59,90 @@ def build_run_stream(config: RunConfig) -> TaskStream:
     return build_stream(config.stream, data_root=config.data_root, seed=config.seed, **config.stream_args)
 
 
-def check_config(config: RunConfig) -> None:
-    """Fail on unknown streams, methods and options before any data is read or model built."""
+def check_config(config: RunConfig, check_paths: bool = True) -> None:
+    """Everything a run is asked to do, checked before any data is read, model built or file written: every value of
+    the config (types, ranges, the training section; again, in case it changed since it was made), the stream and its
+    options, the methods, their options and their combination, and (`check_paths`) the local paths."""
+    config.validate()
+    check_stream(config)
+    check_methods(build_methods(config.methods, config.method_args), config.samples_per_task)
+    if check_paths:
+        check_local_paths(config)
+
+
+def check_stream(config: RunConfig) -> None:
+    """An unknown stream, builder or option, or an option of the wrong type, is an error naming it."""
     if isinstance(config.stream, dict):
         check_stream_spec(config.stream)
+        builder = STREAM_BUILDERS[config.stream["builder"]]
+        hints = type_hints(builder)
+        arguments = {key: value for key, value in config.stream.items() if key != "builder"}
+        config.stream = {"builder": config.stream["builder"], **check_mapping(arguments, hints, "stream.")}
         unknown = sorted(set(config.stream_args) - set(RUN_SUPPLIED))
         if unknown:
-            raise ValueError(f"Unknown stream_args {unknown} for a stream spec; valid: {', '.join(RUN_SUPPLIED[1:])}")
-    elif config.stream not in NAMED_STREAMS:
-        raise ValueError(
+            raise ConfigError(f"Unknown stream_args {unknown} for a stream spec; valid: {', '.join(RUN_SUPPLIED[1:])}")
+        config.stream_args = check_mapping(config.stream_args, hints, "stream_args.")
+        return
+    if config.stream not in NAMED_STREAMS:
+        raise ConfigError(
             f"Unknown stream {config.stream!r}; valid streams: {', '.join(sorted(NAMED_STREAMS))}, "
             f"or a mapping with `builder` ({', '.join(STREAM_BUILDERS)})"
         )
-    else:
-        check_stream_options(config.stream, config.stream_args)
-    build_methods(config.methods, config.method_args)
+    check_stream_options(config.stream, config.stream_args)
+    for key, instead in (("data_root", "data_root"), ("seed", "seed")):
+        if key in config.stream_args:
+            raise ConfigError(f"stream_args.{key}: set the top-level {instead} instead (the run passes it)",
+                              f"stream_args.{key}")
+    hints = {**type_hints(build_stream), **type_hints(NAMED_STREAMS[config.stream])}
+    config.stream_args = check_mapping(config.stream_args, hints, "stream_args.")
+
+
+def check_local_paths(config: RunConfig) -> None:
+    """The model checkpoint, tokenizer and data root: a path that looks local must exist (else "no such folder",
+    not a message about Hub repository ids); the output folder must not be a file."""
+    pretrained = config.model.get("pretrained")
+    if pretrained is not None:
+        config.model["pretrained"] = check_source("model.pretrained", pretrained, "config.json")
+    if config.tokenizer is not None:
+        config.tokenizer = check_source("tokenizer", config.tokenizer, None)
+    if config.data_root is not None and not Path(config.data_root).expanduser().is_dir():
+        raise ConfigError(f"data_root: no such folder {config.data_root!r} (the folder of the HF dataset folders)",
+                          "data_root")
+    if Path(config.output_dir).expanduser().is_file():
+        raise ConfigError(f"output_dir {config.output_dir!r} is a file, not a folder", "output_dir")
+
+
+def check_source(key: str, value: str, required_file: str | None) -> str:
+    """A local folder (with `required_file`), or a Hub repository id; returns the value with `~` expanded."""
+    path = Path(value).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ConfigError(f"{key}: {value!r} is a file; give the folder that holds it", key)
+        if required_file is not None and not (path / required_file).is_file():
+            raise ConfigError(f"{key}: the folder {value!r} has no {required_file} (not a saved checkpoint; a task "
+                              "checkpoint is <output_dir>/task-<k>)", key)
+        return str(path) if value.startswith("~") else value
+    if looks_local(value):
+        raise ConfigError(f"{key}: no such folder {value!r} (relative paths start from {Path.cwd()})", key)
+    return value
+
+
+def looks_local(value: str) -> bool:
+    """Whether a name can only be a local path, never a Hub repository id (`org/name`)."""
+    if value.startswith((".", "/", "~")) or "\\" in value or value.count("/") > 1:
+        return True
+    try:
+        validate_repo_id(value)
+    except HFValidationError:
+        return True
+    return False
 
 
 def run(config: RunConfig) -> ResultsMatrix:
     """Build stream, model, processors and methods from `config`, run the stream, return the results matrix."""
-    check_config(config)
+    check_config(config)  # everything is checked before the stream is built or anything is written
+    args = config.continual_arguments()
     methods = build_methods(config.methods, config.method_args)
-    args = ContinualArguments(
-        output_dir=config.output_dir,
-        training=dict(config.training),
-        first_task_epochs=config.first_task_epochs,
-        eval_batch_size=config.eval_batch_size,
-        max_length=config.max_length,
-        seed=config.seed,
-        progress=config.progress,
-        spatial_disorder_task=config.spatial_disorder_task,
-        samples_per_task=config.samples_per_task,
-        warmup=config.warmup,
-        evaluate_initial=config.evaluate_initial,
-        resume_from_checkpoint=config.resume_from_checkpoint,
-        hub_model_id=config.hub_model_id,
-        hub_private_repo=config.hub_private_repo,
-        hub_timeout=config.hub_timeout,
-        hub_retries=config.hub_retries,
-    )
     stream = build_run_stream(config)
     model = load_model(config)
     image_processor, tokenizer = load_processors(config, model)

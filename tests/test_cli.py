@@ -1,16 +1,26 @@
 """The recipe entry points: `hf-ccl list`, and a short default run that prints the results matrix."""
 
 import json
+import re
 
 import pytest
 
 from hf_ccl.cli import main
 
 
-def test_list_names_streams_and_methods(capsys):
+def test_list_names_recipes_streams_and_methods(capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
     assert "digits" in out and "flickr8k-random5" in out and "finetune" in out and "joint" in out
+    assert re.search(r"\n  modx-flickr8k-random5 +Mod-X \(ICML 2023, paper 000\)", out)
+
+
+def test_version(capsys):
+    from hf_ccl import __version__
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"hf-ccl {__version__}"
 
 
 def test_short_default_run_prints_matrix(tmp_path, capsys):
@@ -19,7 +29,7 @@ def test_short_default_run_prints_matrix(tmp_path, capsys):
         "stream_args.max_train_per_task=48", "stream_args.max_eval_per_task=20", "methods=[joint]",
         "model.config.hidden_size=32", "model.config.num_layers=1",
     ]
-    assert main(["train", "--config", "recipes/configs/digits.yaml", *overrides]) == 0
+    assert main(["train", "--config", "digits", *overrides]) == 0  # a shipped recipe, by name
     out = capsys.readouterr().out
     assert "| after digits-89 |" in out and "forgetting" in out
     saved = json.loads((tmp_path / "results.json").read_text())
@@ -27,7 +37,10 @@ def test_short_default_run_prints_matrix(tmp_path, capsys):
     assert (tmp_path / "run_config.yaml").exists() and (tmp_path / "task-4" / "model.safetensors").exists()
 
 
-def test_bad_override_fails_before_training(tmp_path):
-    with pytest.raises(ValueError, match="valid methods"):
-        main(["train", "--config", "recipes/configs/digits.yaml", f"output_dir={tmp_path}", "methods=[nope]"])
-    assert not (tmp_path / "task-0").exists()
+def test_bad_override_fails_before_anything_is_written(tmp_path, capsys):
+    output_dir = tmp_path / "run"
+    code = main(["train", "--config", "recipes/configs/digits.yaml", f"output_dir={output_dir}", "methods=[nope]"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hf-ccl: error: Unknown method 'nope'; valid methods: cllclip,") and err.count("\n") == 1
+    assert "Traceback" not in err and not output_dir.exists()

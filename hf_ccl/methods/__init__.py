@@ -21,7 +21,15 @@ from . import (  # noqa: F401  (registers the built-in methods)
     vocab,
 )
 from .base import ContinualMethod, MethodConfig, TaskContext
-from .registry import METHODS, available_methods, build_methods, get_method_class, register_method
+from .registry import (
+    METHODS,
+    available_methods,
+    build_methods,
+    check_combination,
+    check_methods,
+    get_method_class,
+    register_method,
+)
 from .state import load_method_states, save_method_states
 
 __all__ = [
@@ -31,6 +39,8 @@ __all__ = [
     "TaskContext",
     "available_methods",
     "build_methods",
+    "check_combination",
+    "check_methods",
     "get_method_class",
     "load_method_states",
     "register_method",

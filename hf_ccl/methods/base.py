@@ -17,7 +17,8 @@
 | `metrics`              | diagnostics logged beside the loss terms (not added to the loss)       |
 | `state_dict` / `load_state_dict` | what must survive a restart, saved beside each task checkpoint |
 
-Methods compose: a run holds a list of them and calls each hook of each, in order.
+Methods compose: a run holds a list of them and calls each hook of each, in order. Each method declares what rules
+out a combination or an order (`roles`, `conflicts`, `runs_after`, `runs_before`; checked by `build_methods`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from datasets import Dataset
 
+from ..validation import ConfigError, check_mapping, type_hints
+
 if TYPE_CHECKING:
     from ..data.task import Task, TaskStream
     from ..modeling import ContinualCLIPModel, ContinualCLIPOutput
@@ -41,16 +44,22 @@ class MethodConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None, method_name: str = "") -> MethodConfig:
-        """Build from a plain dict, rejecting unknown keys with the list of valid ones."""
+        """Build from a plain dict: unknown keys are rejected with the list of valid ones, each value is checked
+        against the field's annotation (`hf_ccl.validation`), then the config's own range checks run. Every error
+        names `method_args.<method>.<option>`."""
+        name = method_name or cls.__name__
         values = dict(values or {})
-        valid = {f.name for f in dataclasses.fields(cls)}
+        valid = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(values) - valid)
         if unknown:
-            raise ValueError(
-                f"Unknown option(s) {unknown} for method {method_name or cls.__name__}; "
-                f"valid options: {sorted(valid) or 'none'}"
-            )
-        return cls(**values)
+            raise ConfigError(f"Unknown option(s) {unknown} for method {name}; valid options: {sorted(valid) or 'none'}")
+        checked = check_mapping(values, type_hints(cls), f"method_args.{name}.")
+        try:
+            return cls(**checked)
+        except ValueError as error:  # the config's own range and choice checks
+            message = str(error).removeprefix(f"{name}: ")
+            key = f"method_args.{name}" + (f".{error.key}" if getattr(error, "key", None) else "")
+            raise ConfigError(f"method_args.{name}: {message}", key) from error
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -86,6 +95,22 @@ class ContinualMethod:
     #: True when the method's loss terms are the whole loss: `ContinualTrainer` then leaves out the model's own
     #: contrastive loss (CLL-CLIP trains with its cross-lingual and cross-modal terms only).
     replaces_contrastive_loss: ClassVar[bool] = False
+    #: True when the method needs a compute budget (`samples_per_task`), e.g. Oracle's t x C steps at step t.
+    needs_compute_budget: ClassVar[bool] = False
+
+    # Combinations, declared by each method and checked by `build_methods` before anything is built or trained.
+    #: What the method does that another method may clash with: {role: what it does} (the text is used in errors).
+    #: Roles in use: "training_data" (chooses the data a task trains on), "previous_model" (builds on the model the
+    #: previous task left), "fresh_model" (replaces it), "similarity_distillation", "parameter_efficient" (freezes
+    #: the model but for its own parameters), "vocabulary" (grows the tokenizer).
+    roles: ClassVar[dict[str, str]] = {}
+    #: Roles no other method of the run may have: {role: why}. A method that lists one of its own roles here is
+    #: the only one of the run with that role (two methods that both choose the training data).
+    conflicts: ClassVar[dict[str, str]] = {}
+    #: Roles whose methods must come earlier in the method list: {role: why}.
+    runs_after: ClassVar[dict[str, str]] = {}
+    #: Roles whose methods must come later in the method list: {role: why}.
+    runs_before: ClassVar[dict[str, str]] = {}
 
     def __init__(self, config: MethodConfig | dict[str, Any] | None = None):
         if config is None or isinstance(config, dict):

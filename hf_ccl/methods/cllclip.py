@@ -256,6 +256,12 @@ class CLLCLIP(ContinualMethod):
 
     name = "cllclip"
     config_class = CLLCLIPConfig
+    roles = {"previous_model": "trains the token embeddings of the CLIP it starts from, distilled from it"}
+    runs_before = {
+        "vocabulary": "snapshots the original CLIP and tokenizer as its teacher at the first task start",
+        "parameter_efficient": "freezes everything but the token embedding at task start, which would freeze the "
+        "parameters of a parameter-efficient method placed before it",
+    }
     config: CLLCLIPConfig
     # The teacher encodes each example's image and English caption (once per task with its cache): at most one
     # extra forward per example.

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..distributed import all_gather_no_grad
+from ..validation import check_range
 from .base import ContinualMethod, MethodConfig, TaskContext
 from .ctp_losses import (
     DIVERGENCES,
@@ -127,6 +128,8 @@ class CTPConfig(MethodConfig):
             raise ValueError(f"ctp: topology_divergence must be one of {DIVERGENCES}, got {self.topology_divergence!r}")
         if self.positives not in POSITIVES:
             raise ValueError(f"ctp: positives must be one of {POSITIVES}, got {self.positives!r}")
+        for name in ("cmc_weight", "cross_topology_weight", "same_topology_weight"):
+            check_range(name, getattr(self, name), 0)
 
 
 @register_method
@@ -137,6 +140,7 @@ class CTP(ContinualMethod):
     name = "ctp"
     extra_forward_passes = 2.0  # the momentum model and the previous-task model
     config_class = CTPConfig
+    roles = {"previous_model": "builds its momentum model from the previous task's model and preserves its topology"}
     config: CTPConfig
 
     def __init__(self, config: CTPConfig | dict[str, Any] | None = None):

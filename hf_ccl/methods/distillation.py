@@ -166,6 +166,14 @@ class TeacherMethod(ContinualMethod):
     extra_forward_passes = 1.0  # the teacher encodes every example once (less with the teacher cache)
 
     config_class = TeacherConfig
+    roles = {
+        "previous_model": "distils the previous task's model",
+        "similarity_distillation": "distils the previous model's in-batch similarity matrix",
+    }
+    conflicts = {"similarity_distillation": "also distils the previous model's in-batch similarity matrix (Mod-X is "
+                 "LwF with row selection): use one of them"}
+    runs_after = {"vocabulary": "snapshots the model at task start as its teacher, which must read the same tokens "
+                  "as the student"}
 
     def __init__(self, config: MethodConfig | dict[str, Any] | None = None):
         super().__init__(config)

@@ -165,6 +165,7 @@ class DNS(ContinualMethod):
 
     name = "dns"
     config_class = DNSConfig
+    roles = {"previous_model": "projects each update out of the feature subspaces of the previous tasks"}
 
     def __init__(self, config: MethodConfig | dict[str, Any] | None = None):
         super().__init__(config)

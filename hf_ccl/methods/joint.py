@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from datasets import Dataset, concatenate_datasets
 
+from ..validation import check_range
 from .base import ContinualMethod, MethodConfig, TaskContext
 from .registry import register_method
 
@@ -17,6 +18,9 @@ class JointConfig(MethodConfig):
         metadata={"help": "Cap on the size of the union (seeded random subsample); None keeps every example."},
     )
 
+    def __post_init__(self) -> None:
+        check_range("max_examples", self.max_examples, 1, also="or null")
+
 
 @register_method
 class Joint(ContinualMethod):
@@ -24,6 +28,8 @@ class Joint(ContinualMethod):
 
     name = "joint"
     config_class = JointConfig
+    roles = {"training_data": "trains each task on the data of every task so far"}
+    conflicts = {"training_data": "already trains each task on the data of every task so far: use one of them"}
 
     def train_dataset(self, context: TaskContext, dataset: Dataset) -> Dataset:
         earlier = [task.train for task in context.stream.tasks[: context.task_index]]

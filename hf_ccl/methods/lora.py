@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from ..distributed import is_main_process
+from ..validation import check_range
 from .base import ContinualMethod, MethodConfig, TaskContext
 from .registry import register_method
 from .trainable import freeze_base, requires_grad_flags, restore_flags
@@ -100,6 +101,7 @@ class LoRAMethodConfig(MethodConfig):
     def __post_init__(self) -> None:
         if self.r < 1:
             raise ValueError(f"lora r must be >= 1, got {self.r}")
+        check_range("alpha", self.alpha, 0, low_open=True)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"lora dropout must be in [0, 1), got {self.dropout}")
         unknown = sorted(set(self.towers) - set(TOWERS))
@@ -220,6 +222,12 @@ class LoRA(ContinualMethod):
 
     name = "lora"
     config_class = LoRAMethodConfig
+    roles = {
+        "previous_model": "adapts the previous task's model",
+        "parameter_efficient": "freezes the model but for its adapter (and `trainable`) during each task",
+    }
+    conflicts = {"parameter_efficient": "freezes the model but for its adapter: each would freeze the other's "
+                 "parameters"}
 
     def __init__(self, config: LoRAMethodConfig | dict[str, Any] | None = None):
         super().__init__(config)

@@ -36,6 +36,7 @@ from datasets import Dataset, IterableDataset
 from ..data.task import Task
 from ..distributed import is_distributed, is_main_process
 from ..evaluation.evaluator import evaluate_task
+from ..validation import check_count_or_fraction, check_range
 from .base import ContinualMethod, MethodConfig, TaskContext
 from .registry import register_method
 
@@ -220,6 +221,13 @@ class PatchingConfig(MethodConfig):
     eval_batch_size: int = field(default=256, metadata={"help": "Batch size of the validation evaluations."})
     seed: int = field(default=0, metadata={"help": "Seed of the held-out rows, combined with the run's seed."})
 
+    def __post_init__(self) -> None:
+        check_range("validation_size", self.validation_size, 0, low_open=True, also="(a count, or a fraction < 1)")
+        check_count_or_fraction("validation_size", self.validation_size, "rows", "the task's train split")
+        check_range("eval_batch_size", self.eval_batch_size, 1)
+        if not self.alphas or any(not 0.0 <= a <= 1.0 for a in self.alphas):
+            raise ValueError(f"alphas must be a non-empty list in [0, 1], got {self.alphas}")
+
 
 @register_method
 class Patching(ContinualMethod):
@@ -227,11 +235,10 @@ class Patching(ContinualMethod):
 
     name = "patching"
     config_class = PatchingConfig
+    roles = {"previous_model": "interpolates each task's fine-tuned model with the previous task's"}
 
     def __init__(self, config: PatchingConfig | dict[str, Any] | None = None):
         super().__init__(config)
-        if not self.config.alphas or any(not 0.0 <= a <= 1.0 for a in self.config.alphas):
-            raise ValueError(f"Patching alphas must be a non-empty list in [0, 1], got {self.config.alphas}")
         self.validation = ValidationHoldout(self.config.validation_size, seed=self.config.seed)
         self.alphas: dict[int, float] = {}  # task index -> alpha_t
         self.scores: dict[int, list[tuple[float, float]]] = {}  # task index -> [(alpha, score)] of the search

@@ -173,6 +173,12 @@ class PromptLearning(ContinualMethod):
 
     name = "prompt"
     config_class = PromptConfig
+    roles = {
+        "previous_model": "learns a prompt for the previous task's model",
+        "parameter_efficient": "freezes the model but for its context vectors (and `trainable`) during each task",
+    }
+    conflicts = {"parameter_efficient": "freezes the model but for its context vectors: each would freeze the "
+                 "other's parameters"}
 
     def __init__(self, config: PromptConfig | dict[str, Any] | None = None):
         super().__init__(config)

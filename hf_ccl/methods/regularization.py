@@ -307,6 +307,7 @@ class QuadraticPenaltyMethod(ContinualMethod):
     """
 
     config_class = QuadraticPenaltyConfig
+    roles = {"previous_model": "penalises moving away from the previous task's weights"}
 
     def __init__(self, config: MethodConfig | dict[str, Any] | None = None):
         super().__init__(config)

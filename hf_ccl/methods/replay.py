@@ -38,6 +38,7 @@ from datasets import Dataset, concatenate_datasets
 
 from ..data.buffer import ReservoirBuffer
 from ..distributed import all_gather_no_grad
+from ..validation import check_range
 from .base import ContinualMethod, MethodConfig, TaskContext
 from .registry import register_method
 
@@ -59,6 +60,9 @@ class ERConfig(MethodConfig):
     )
     seed: int = field(default=0, metadata={"help": "Buffer seed, combined with the run's per-task seed."})
 
+    def __post_init__(self) -> None:
+        check_range("buffer_size", self.buffer_size, 0)
+
 
 @dataclass
 class DERConfig(ERConfig):
@@ -74,6 +78,11 @@ class DERConfig(ERConfig):
         metadata={"help": "Batch size to record new slots' embeddings at task end; None: the training batch size."},
     )
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_range("alpha", self.alpha, 0)
+        check_range("embed_batch_size", self.embed_batch_size, 1, also="or null")
+
 
 @dataclass
 class DERPPConfig(DERConfig):
@@ -81,6 +90,10 @@ class DERPPConfig(DERConfig):
         default=0.5,
         metadata={"help": "Weight of the contrastive loss on the buffer rows alone (DER++); mammoth's derpp.yaml: 0.5."},
     )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_range("beta", self.beta, 0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -92,6 +105,8 @@ class ExperienceReplay(ContinualMethod):
 
     name = "er"
     config_class = ERConfig
+    roles = {"training_data": "mixes a buffer of past examples into each task's data"}
+    conflicts = {"training_data": "already mixes a buffer of past examples into each task's data: use one of them"}
 
     def __init__(self, config: ERConfig | dict[str, Any] | None = None):
         super().__init__(config)

@@ -160,6 +160,11 @@ class TEIR(ContinualMethod):
 
     name = "teir"
     config_class = TEIRConfig
+    roles = {"previous_model": "protects the token-embedding rows that earlier tasks trained"}
+    runs_after = {
+        "training_data": "counts the tokens of the data each task really trains on, replayed rows included",
+        "vocabulary": "counts tokens with the grown tokenizer",
+    }
     config: TEIRConfig
 
     def __init__(self, config: TEIRConfig | dict[str, Any] | None = None):

@@ -28,7 +28,7 @@ from datasets import Dataset
 from .base import ContinualMethod, MethodConfig, TaskContext
 from .finetune import Finetune
 from .registry import register_method
-from .tic_replay import CumulativePool
+from .tic_replay import CumulativePool, check_stream_sizes
 
 if TYPE_CHECKING:
     from ..modeling import ContinualCLIPModel
@@ -40,6 +40,8 @@ class Sequential(Finetune):
     computation as `finetune`, registered under the paper's name so that TiC-CLIP configs read like Tab. 1."""
 
     name = "sequential"
+    roles = {"training_data": "trains each step on its own data only (TiC-CLIP's Sequential)"}
+    conflicts = {"training_data": "trains each step on its own data only (TiC-CLIP's Sequential): leave it out"}
 
 
 def fresh_model(model: ContinualCLIPModel, seed: int) -> ContinualCLIPModel:
@@ -67,12 +69,23 @@ class RestartConfig(MethodConfig):
                           "proportion to their size; None: equal shares (see tic_replay)."},
     )
 
+    def __post_init__(self) -> None:
+        check_stream_sizes(self.stream_sizes)
+
 
 class FromScratch(ContinualMethod):
     """Random init at every step (seeded from the task's seed), trained on the union of all steps so far, with the
     first step's warmup (specs/ticclip.md §2.4 and §7 item 13: Restart and Oracle start from random init)."""
 
     config_class = RestartConfig
+    roles = {
+        "training_data": "trains each step on the union of all steps so far",
+        "fresh_model": "starts every step from a freshly initialised model",
+    }
+    conflicts = {
+        "training_data": "already trains each step on the union of all steps so far: use one of them",
+        "previous_model": "starts every step from a freshly initialised model: there is no previous model to build on",
+    }
 
     def __init__(self, config: RestartConfig | dict[str, Any] | None = None):
         super().__init__(config)
@@ -117,6 +130,7 @@ class Oracle(FromScratch):
     recipe (warmup W_1, then cosine over all t x C iterations). Needs a compute budget (`samples_per_task`)."""
 
     name = "oracle"
+    needs_compute_budget = True
 
     def training_overrides(self, context: TaskContext, training: dict[str, Any]) -> dict[str, Any]:
         if context.extras.get("samples_per_task") is None or "max_steps" not in training:

@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 import numpy as np
 from datasets import Dataset, IterableDataset, concatenate_datasets, interleave_datasets
 
+from ..validation import check_range
 from .base import ContinualMethod, MethodConfig, TaskContext
 from .registry import register_method
 
@@ -279,6 +280,17 @@ class CumulativeConfig(MethodConfig):
         default=10_000, metadata={"help": "Shuffle buffer of a streaming old step before its retained prefix."}
     )
 
+    def __post_init__(self) -> None:
+        _capacity_parts([1], 1, self.capacity)  # 'current', 'mean' or a positive integer
+        check_range("shuffle_buffer_size", self.shuffle_buffer_size, 1)
+        check_stream_sizes(self.stream_sizes)
+
+
+def check_stream_sizes(sizes: list[int] | None) -> None:
+    """Sizes of streaming train splits, one per task: each >= 0."""
+    for index, size in enumerate(sizes or []):
+        check_range(f"stream_sizes[{index}]", size, 0)
+
 
 class CumulativeReplay(ContinualMethod):
     """Warm start from the last model; train C iterations on D_t and the buffer of old steps, shuffled together
@@ -286,6 +298,9 @@ class CumulativeReplay(ContinualMethod):
 
     config_class = CumulativeConfig
     rule: ClassVar[str] = ""
+    roles = {"training_data": "trains each step on its data plus a buffer of older steps (TiC-CLIP's Cumulative)"}
+    conflicts = {"training_data": "already trains each step on its data plus a buffer of older steps (TiC-CLIP's "
+                 "Cumulative): use one of them"}
 
     def __init__(self, config: CumulativeConfig | dict[str, Any] | None = None):
         super().__init__(config)

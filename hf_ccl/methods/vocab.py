@@ -43,6 +43,7 @@ from ..tokenization import (
     train_language_bpe,
     vocabulary_report,
 )
+from ..validation import check_range
 from .base import ContinualMethod, MethodConfig, TaskContext
 from .registry import register_method
 
@@ -94,6 +95,9 @@ class GrowVocabConfig(MethodConfig):
             raise ValueError(f"grow_vocab vocab_size must exceed the 256-byte alphabet, got {self.vocab_size}")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"grow_vocab context_length must be >= 2, got {self.context_length}")
+        check_range("min_frequency", self.min_frequency, 0)
+        check_range("init_std", self.init_std, 0)
+        check_range("report_captions", self.report_captions, 0)
         for name in ("skip_languages", "protect_columns"):
             value = getattr(self, name)
             if isinstance(value, str):
@@ -141,6 +145,7 @@ class GrowVocab(ContinualMethod):
 
     name = "grow_vocab"
     config_class = GrowVocabConfig
+    roles = {"vocabulary": "grows the tokenizer and the token embedding at task start"}
     config: GrowVocabConfig
 
     def __init__(self, config: GrowVocabConfig | dict[str, Any] | None = None):

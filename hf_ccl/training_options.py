@@ -1,0 +1,250 @@
+"""The `training` section of a continual run: which `transformers.TrainingArguments` fields it takes, and the check
+of their values before anything is built, trained or written.
+
+Every TrainingArguments field was read for what it does in a continual run (each task is one Trainer run, evaluated
+by hf_ccl itself, seeded and checkpointed by the loop): those the loop sets itself or that would do nothing are
+refused, with the reason and the hf_ccl option to use instead (`REFUSED`). The others are type-checked against
+TrainingArguments' annotations, the common numbers range-checked, mixed precision checked against the machine, and
+a trial `TrainingArguments` built (nothing is written) so that transformers' own checks also run up front.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from functools import lru_cache
+from typing import Any
+
+import torch
+from transformers import TrainingArguments
+
+from .validation import (
+    ConfigError,
+    check_choice,
+    check_count_or_fraction,
+    check_range,
+    check_value,
+    type_hints,
+)
+
+_EVALUATED = "hf_ccl evaluates every task itself after it has trained (the results matrix; its batch size is the "\
+    "top-level eval_batch_size), so the Trainer never evaluates"
+_TASK_SEEDS = "hf_ccl seeds task k with seed + k (model init, data order, caption sampling): set the top-level seed"
+
+#: TrainingArguments fields a continual run refuses: {field: why, and what to use instead}.
+REFUSED: dict[str, str] = {
+    "output_dir": "each task's Trainer writes to <output_dir>/trainer/task-<k>: set the top-level output_dir",
+    "remove_unused_columns": "hf_ccl sets it (the collator needs the image and text columns)",
+    "eval_strategy": _EVALUATED,
+    "do_eval": _EVALUATED,
+    "do_train": "it is read by example scripts, not by the Trainer: every task trains",
+    "do_predict": "it is read by example scripts, not by the Trainer; hf_ccl evaluates every task itself",
+    "eval_steps": _EVALUATED,
+    "eval_delay": _EVALUATED,
+    "eval_on_start": _EVALUATED + " (evaluate_initial: true evaluates the model before the first task)",
+    "per_device_eval_batch_size": _EVALUATED,
+    "eval_accumulation_steps": _EVALUATED,
+    "eval_do_concat_batches": _EVALUATED,
+    "eval_use_gather_object": _EVALUATED,
+    "prediction_loss_only": _EVALUATED,
+    "include_for_metrics": _EVALUATED,
+    "batch_eval_metrics": _EVALUATED,
+    "fp16_full_eval": _EVALUATED + " in float32",
+    "bf16_full_eval": _EVALUATED + " in float32",
+    "load_best_model_at_end": _EVALUATED + "; every task's checkpoint is its trained model",
+    "metric_for_best_model": _EVALUATED + "; every task's checkpoint is its trained model",
+    "greater_is_better": _EVALUATED + "; every task's checkpoint is its trained model",
+    "seed": _TASK_SEEDS,
+    "data_seed": _TASK_SEEDS,
+    "resume_from_checkpoint": "set the top-level resume_from_checkpoint (true, auto or a path): it resumes the "
+    "stream from its last complete task, and the interrupted task from its last Trainer checkpoint",
+    "disable_tqdm": "set the top-level progress: false",
+    "hub_token": "a token in the config would be saved with the run: remove training.hub_token and set HF_TOKEN "
+    "or run `hf auth login`",
+    "hub_private_repo": "set the top-level hub_private_repo (it applies to the task revisions and the Trainer's "
+    "pushes alike)",
+    "label_smoothing_factor": "hf_ccl's contrastive loss does not go through the Trainer's label smoother",
+    "label_names": "hf_ccl's contrastive loss has no labels",
+    "length_column_name": "grouping by length needs tokenized columns, which the stream's datasets do not have",
+    "average_tokens_across_devices": "hf_ccl's losses are means over the global batch, not over token counts",
+    "logging_nan_inf_filter": "a NaN or infinite loss stops the run with an error, it is never filtered",
+    "use_cache": "a text-generation option: CLIP has no cache",
+    "use_liger_kernel": "Liger has no kernels for CLIP",
+    "liger_kernel_config": "Liger has no kernels for CLIP",
+    "auto_find_batch_size": "the compute budget (samples_per_task) and the methods' state need the batch size "
+    "you set: lower per_device_train_batch_size (with gradient_accumulation_steps) yourself",
+    "local_rank": "the launcher sets it (accelerate launch, torchrun)",
+}
+#: Values refused for fields that are otherwise taken: {field: {value: why}}.
+REFUSED_VALUES: dict[str, dict[Any, str]] = {
+    "save_only_model": {True: "a mid-task checkpoint without optimizer, scheduler, RNG and method state cannot "
+                        "resume its task; task checkpoints (model only) are written after every task anyway"},
+    "save_strategy": {"best": "it needs evaluation during training; " + _EVALUATED},
+    "train_sampling_strategy": {
+        "group_by_length": "grouping by length needs tokenized columns, which the stream's datasets do not have",
+        "batch_rebalance": "rebalancing by length needs tokenized columns, which the stream's datasets do not have",
+    },
+}
+#: String values TrainingArguments takes for fields that also take a boolean (its annotation says only `str`).
+STRING_CHOICES: dict[str, tuple[str, ...]] = {"include_num_input_tokens_seen": ("all", "non_padding", "no")}
+#: Defaults the loop uses that differ from TrainingArguments' own (the rest of what it sets is refused above).
+LOOP_DEFAULTS: dict[str, Any] = {"save_strategy": "no", "report_to": "none", "logging_steps": 10}
+
+
+def _saves(training: Mapping[str, Any]) -> bool:
+    return training.get("save_strategy", LOOP_DEFAULTS["save_strategy"]) != "no"
+
+
+def _pushes(training: Mapping[str, Any]) -> bool:
+    return bool(training.get("push_to_hub"))
+
+
+_SAVE = "training.save_strategy: steps or epoch (hf_ccl's default is 'no': only the task checkpoints are written)"
+_PUSH = "training.push_to_hub: true (the task revisions go to the top-level hub_model_id)"
+#: Fields that do something only together with another setting: {field: (whether it has an effect, what to set)}.
+#: Checked when the field is given a value other than null or false.
+NEEDS: dict[str, tuple[Callable[[Mapping[str, Any]], bool], str]] = {
+    "save_steps": (_saves, _SAVE),
+    "save_total_limit": (_saves, _SAVE),
+    "save_on_each_node": (_saves, _SAVE),
+    "hub_model_id": (_pushes, _PUSH),
+    "hub_revision": (_pushes, _PUSH),
+    "hub_strategy": (_pushes, _PUSH),
+    "hub_always_push": (_pushes, _PUSH),
+    "gradient_checkpointing_kwargs": (lambda t: bool(t.get("gradient_checkpointing")),
+                                      "training.gradient_checkpointing: true"),
+    "activation_checkpointing_kwargs": (lambda t: bool(t.get("activation_checkpointing")),
+                                        "training.activation_checkpointing: true"),
+    "dataloader_persistent_workers": (lambda t: (t.get("dataloader_num_workers") or 0) > 0,
+                                      "training.dataloader_num_workers >= 1"),
+    "warmup_steps": (lambda t: t.get("lr_scheduler_type", "linear") not in NO_WARMUP_SCHEDULES,
+                     "a schedule that warms up (constant_with_warmup, not constant): set one, or training.warmup_steps: 0"),
+}
+#: Schedules that take no warmup.
+NO_WARMUP_SCHEDULES = ("constant", "reduce_lr_on_plateau", "greedy")
+
+
+#: Annotations of TrainingArguments that say less than the field takes (`fsdp: str | None`, and its help says
+#: "fsdp=True").
+ANNOTATION_FIXES: dict[str, Any] = {"fsdp": bool | str | list[str] | None}
+
+
+@lru_cache(maxsize=1)
+def training_fields() -> dict[str, Any]:
+    """TrainingArguments' init fields and their annotations."""
+    hints = {**type_hints(TrainingArguments), **ANNOTATION_FIXES}
+    return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(TrainingArguments) if f.init}
+
+
+@lru_cache(maxsize=1)
+def training_choices() -> dict[str, tuple[Any, ...]]:
+    """The values TrainingArguments lists for a field (its `choices` metadata), and `STRING_CHOICES`."""
+    listed = {f.name: tuple(f.metadata["choices"]) for f in dataclasses.fields(TrainingArguments)
+              if f.init and "choices" in f.metadata}
+    return {**listed, **STRING_CHOICES}
+
+
+def check_training_args(training: Mapping[str, Any]) -> dict[str, Any]:
+    """The `training` section checked (only the keys given) and with lossless conversions applied; a
+    `ConfigError` naming `training.<key>` at the first problem."""
+    fields = training_fields()
+    unknown = sorted(set(training) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"Unknown training option(s) {unknown}; valid options are the fields of transformers.TrainingArguments, "
+            "e.g. num_train_epochs, max_steps, per_device_train_batch_size, learning_rate, warmup_steps, weight_decay"
+        )
+    for key in training:
+        if key in REFUSED:
+            raise ConfigError(f"training.{key} is not taken: {REFUSED[key]}", f"training.{key}")
+    checked = {key: check_value(f"training.{key}", value, fields[key]) for key, value in training.items()}
+    for key, value in checked.items():
+        if key in training_choices() and isinstance(value, str):
+            check_choice(f"training.{key}", value, training_choices()[key])
+        reasons = REFUSED_VALUES.get(key, {})
+        if _hashable(value) and value in reasons:
+            raise ConfigError(f"training.{key}={value!r} is not taken: {reasons[value]}", f"training.{key}")
+    check_training_ranges(checked)
+    if "ddp_backend" in checked and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        raise ConfigError("training.ddp_backend needs several processes (accelerate launch or torchrun); this is "
+                          "one process: remove it", "training.ddp_backend")
+    for key, (takes_effect, what) in NEEDS.items():
+        if checked.get(key) not in (None, False, 0) and not takes_effect(checked):
+            raise ConfigError(f"training.{key} has no effect without {what}", f"training.{key}")
+    check_precision(checked)
+    _trial(checked)
+    return checked
+
+
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def check_training_ranges(training: Mapping[str, Any]) -> None:
+    """Ranges of the common numeric fields (those given)."""
+
+    def given(key: str, *args: Any, **kwargs: Any) -> None:
+        if key in training:
+            check_range(f"training.{key}", training[key], *args, **kwargs)
+
+    given("num_train_epochs", 0, low_open=True)
+    given("learning_rate", 0, low_open=True)
+    given("weight_decay", 0)
+    given("adam_beta1", 0, 1, high_open=True)
+    given("adam_beta2", 0, 1, high_open=True)
+    given("adam_epsilon", 0)
+    given("max_grad_norm", 0, also="(0 turns clipping off)")
+    for key in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+        given(key, 1)
+    given("dataloader_num_workers", 0)
+    given("dataloader_prefetch_factor", 1, also="or null")
+    given("save_total_limit", 1, also="or null (keep every checkpoint)")
+    given("torch_empty_cache_steps", 1, also="or null")
+    given("neftune_noise_alpha", 0, low_open=True, also="or null")
+    given("ddp_timeout", 0, low_open=True)
+    max_steps = training.get("max_steps")
+    if max_steps is not None and max_steps != -1 and max_steps < 1:
+        raise ConfigError(f"training.max_steps must be -1 (train for num_train_epochs) or >= 1, got {max_steps!r}",
+                          "training.max_steps")
+    for key in ("warmup_steps", "logging_steps", "save_steps"):
+        if key in training:
+            check_count_or_fraction(f"training.{key}", training[key])
+    for key in ("logging_steps", "save_steps"):
+        given(key, 0, low_open=True)
+
+
+def accelerator() -> str | None:
+    """The accelerator torch would train on (`cuda`, `mps`, `xpu`, ...), or None on a CPU-only machine."""
+    return torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else None
+
+
+def check_precision(training: Mapping[str, Any]) -> None:
+    """fp16 / bf16 refused where this machine cannot run them (accelerate would drop fp16 on a CPU silently)."""
+    fp16, bf16, use_cpu = training.get("fp16"), training.get("bf16"), training.get("use_cpu")
+    device = None if use_cpu else accelerator()
+    if fp16 and bf16:
+        raise ConfigError("training.fp16 and training.bf16 are both true: choose one")
+    if fp16 and device is None:
+        where = "training.use_cpu is true" if use_cpu else "this machine has no GPU (torch.cuda.is_available() is False)"
+        raise ConfigError(f"training.fp16 needs a GPU, but {where}: remove it, or on a CPU use training.bf16: true "
+                          "with training.use_cpu: true")
+    if bf16 and device is None and not use_cpu:
+        raise ConfigError("training.bf16 on a machine without a GPU needs training.use_cpu: true (bf16 autocast on "
+                          "the CPU); set it, or remove training.bf16")
+    if bf16 and device == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"training.bf16: this GPU ({torch.cuda.get_device_name()}) has no bf16 support: use "
+                          "training.fp16 instead")
+
+
+def _trial(training: Mapping[str, Any]) -> None:
+    """Build the TrainingArguments a task would get (nothing is written) so that transformers' own checks run now."""
+    values = {**LOOP_DEFAULTS, **training, "remove_unused_columns": False, "eval_strategy": "no"}
+    try:
+        TrainingArguments(output_dir="unused", **values)
+    except (ValueError, ImportError, OSError) as error:
+        raise ConfigError(f"training: {error}") from error
