@@ -21,6 +21,7 @@ Writes benchmarks/results/faults.md (about 10 minutes on 2 cores).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -168,8 +169,8 @@ BAD_INPUTS: list[tuple[str, list[str], str]] = [
     ("bf16 without use_cpu on a CPU", ["training.bf16=true"], "bf16"),
     ("joint with replay", ["methods=[joint,er]"], "joint"),
     ("unknown method", ["methods=[nope]"], "nope"),
-    ("method option of the wrong type", ["method_args.er.memory_size=lots"], "memory_size"),
-    ("unknown method option", ["method_args.er.memroy_size=100"], "memroy_size"),
+    ("method option of the wrong type", ["method_args.er.buffer_size=lots"], "buffer_size"),
+    ("unknown method option", ["method_args.er.bufer_size=100"], "bufer_size"),
     ("mistyped local model path", ["model.pretrained=./no/such/model"], "no/such/model"),
     ("unknown stream", ["stream=nope"], "nope"),
     ("negative subsample", ["stream_args.max_train_per_task=-3"], "max_train_per_task"),
@@ -222,9 +223,23 @@ def config_file_cases() -> list[Case]:
 class Faults:
     """The cases that need runs: interruptions, disk, folders, damaged files, the Hub."""
 
-    def __init__(self, judge: Judge, killed_run: Path):
-        self.judge = judge
-        self.killed_run = killed_run  # killed mid task 3, with task-2 the newest complete checkpoint
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+
+    @functools.cached_property
+    def judge(self) -> Judge:
+        """Judged against the uninterrupted run (made on first use)."""
+        reference = cli(self.tmp / "reference")
+        if reference.code != 0:
+            raise RuntimeError(f"the reference run failed: {reference.err[-3000:]}")
+        return Judge(rows(self.tmp / "reference"))
+
+    @functools.cached_property
+    def killed_run(self) -> Path:
+        """A run killed mid task 3: task-2 is its newest complete checkpoint, with a Trainer checkpoint of task 3."""
+        killed = self.tmp / "killed"
+        cli(killed, child=f"step:{3 * STEPS_PER_TASK + 3}")
+        return killed
 
     # --- interruptions ---
     def interrupted(self, point: str, expect_code: int | None = None) -> Callable[[Path], Outcome]:
@@ -538,8 +553,8 @@ def build_cases(faults: Faults) -> list[Case]:
         Case("folder", "resume with another seed", "seed=1", k.changed_on_resume("seed=1", "seed")),
         Case("folder", "resume with another learning rate", "training.learning_rate=0.002",
              k.changed_on_resume("training.learning_rate=0.002", "learning_rate")),
-        Case("folder", "resume with another method option", "method_args.er.memory_size=7",
-             k.changed_on_resume("method_args.er.memory_size=7", "memory_size")),
+        Case("folder", "resume with another method option", "method_args.er.buffer_size=7",
+             k.changed_on_resume("method_args.er.buffer_size=7", "buffer_size")),
         Case("folder", "resume with another subsample", "stream_args.max_train_per_task=40",
              k.changed_on_resume("stream_args.max_train_per_task=40", "max_train_per_task")),
         Case("folder", "resume with an allowed change", "resume_allow_changes=[training.learning_rate]",
@@ -589,13 +604,7 @@ def main() -> None:
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="hf-ccl-faults-") as tmp_name:
         tmp = Path(tmp_name)
-        reference_dir = tmp / "reference"
-        reference = cli(reference_dir)
-        if reference.code != 0:
-            raise SystemExit(f"the reference run failed:\n{reference.err[-3000:]}")
-        killed = tmp / "killed"
-        cli(killed, child=f"step:{3 * STEPS_PER_TASK + 3}")  # mid task 3: task-2 complete, a Trainer checkpoint
-        faults = Faults(Judge(rows(reference_dir)), killed)
+        faults = Faults(tmp)
         table = []
         for number, case in enumerate(build_cases(faults)):
             if options.only and options.only not in f"{case.group} {case.name}":

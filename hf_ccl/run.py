@@ -14,6 +14,7 @@ from transformers import CLIPImageProcessorPil, PreTrainedTokenizerBase
 from .compute import compute_summary
 from .config import RunConfig, save_config
 from .continual import ContinualLearner
+from .data.builders import check_builder_options
 from .data.collate import load_image_processor, load_tokenizer
 from .data.named import NAMED_STREAMS, build_stream, check_stream_options
 from .data.spec import RUN_SUPPLIED, STREAM_BUILDERS, build_stream_from_spec, check_stream_spec
@@ -82,6 +83,7 @@ def check_stream(config: RunConfig) -> None:
         if unknown:
             raise ConfigError(f"Unknown stream_args {unknown} for a stream spec; valid: {', '.join(RUN_SUPPLIED[1:])}")
         config.stream_args = check_mapping(config.stream_args, hints, "stream_args.")
+        check_shared_options({**arguments, **config.stream_args})
         return
     if config.stream not in NAMED_STREAMS:
         raise ConfigError(
@@ -95,6 +97,15 @@ def check_stream(config: RunConfig) -> None:
                               f"stream_args.{key}")
     hints = {**type_hints(build_stream), **type_hints(NAMED_STREAMS[config.stream])}
     config.stream_args = check_mapping(config.stream_args, hints, "stream_args.")
+    check_shared_options(config.stream_args)
+
+
+def check_shared_options(values: dict[str, Any]) -> None:
+    """Ranges of the options every stream builder takes (`max_train_per_task >= 1`, ...), before any data is read."""
+    try:
+        check_builder_options(values)
+    except ValueError as error:
+        raise ConfigError(f"stream: {error}") from error
 
 
 def check_local_paths(config: RunConfig) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -158,6 +158,12 @@ class _Options:
 
     def limit(self, split_role: str) -> int | None:
         return self.max_train_per_task if split_role == "train" else self.max_eval_per_task
+
+
+def check_builder_options(values: dict[str, Any]) -> None:
+    """The options every builder shares (subsample limits, shards, shuffle buffer, ...) among `values`, checked as
+    the builders will check them, before any data is read: a `ValueError` naming the option."""
+    _Options(**{f.name: values[f.name] for f in fields(_Options) if f.name in values})
 
 
 @dataclass(frozen=True)
