@@ -242,14 +242,15 @@ class Faults:
         return killed
 
     # --- interruptions ---
-    def interrupted(self, point: str, expect_code: int | None = None) -> Callable[[Path], Outcome]:
+    def interrupted(self, point: str, expect_code: int | None = None, resume: str = "true"
+                    ) -> Callable[[Path], Outcome]:
         def run(tmp: Path) -> Outcome:
             output_dir = tmp / "run"
             first = cli(output_dir, child=point)
             before = exit_text(first.code)
             if expect_code is not None and first.code != expect_code:
                 return Outcome("UNCLEAR ERROR", before, f"expected exit {expect_code}: {first.message}")
-            return self.judge.resumed(cli(output_dir, "resume_from_checkpoint=true"), output_dir, before)
+            return self.judge.resumed(cli(output_dir, f"resume_from_checkpoint={resume}"), output_dir, before)
 
         return run
 
@@ -274,11 +275,11 @@ class Faults:
                 return Outcome("SILENT WRONG RESULT", "0", f"a run on a {size_kb} KiB disk ended with exit 0")
             said = first.message
             subprocess.run(["mount", "-o", f"remount,size={size_kb * 20}k", str(mount)], check=True)
-            outcome = self.judge.resumed(cli(output_dir, "resume_from_checkpoint=true"), output_dir,
+            resumed = self.judge.resumed(cli(output_dir, "resume_from_checkpoint=true"), output_dir,
                                          exit_text(first.code))
             clear = "space" in said.lower() and not first.traceback
-            return Outcome(outcome.outcome if clear or outcome.outcome != "recovered" else "UNCLEAR ERROR",
-                           outcome.exit, f"full: {said} / then {outcome.seen}")
+            return Outcome(resumed.outcome if clear else "UNCLEAR ERROR", resumed.exit,
+                           f"full: {said} / then {resumed.seen}")
         finally:
             subprocess.run(["umount", "-l", str(mount)], check=False)
 
@@ -535,7 +536,10 @@ def build_cases(faults: Faults) -> list[Case]:
     cases += [
         Case("interruption", "kill -9 mid-task", f"SIGKILL at step {2 * s + 3} (task 2), resume",
              k.interrupted(f"step:{2 * s + 3}")),
-        Case("interruption", "kill -9 in the first step", "SIGKILL at step 1, resume", k.interrupted("step:1")),
+        Case("interruption", "kill -9 in the first step", "SIGKILL at step 1, resume: auto",
+             k.interrupted("step:1", resume="auto")),
+        Case("interruption", "kill -9 before any task checkpoint", "SIGKILL at step 3 (task 0), resume",
+             k.interrupted("step:3")),
         Case("interruption", "kill -9 while a task checkpoint is written",
              "SIGKILL after task 1's weights, before its other files, resume", k.interrupted("task-save:1")),
         Case("interruption", "kill -9 while a Trainer checkpoint is written",
@@ -594,7 +598,7 @@ def build_cases(faults: Faults) -> list[Case]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--only", default="", help="run the cases whose group or name contains this")
+    parser.add_argument("--only", default="", help="run the cases whose group or name contains one of these (comma-separated)")
     parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "faults.md"))
     parser.add_argument("rest", nargs=argparse.REMAINDER)
     options = parser.parse_args()
@@ -607,7 +611,7 @@ def main() -> None:
         faults = Faults(tmp)
         table = []
         for number, case in enumerate(build_cases(faults)):
-            if options.only and options.only not in f"{case.group} {case.name}":
+            if options.only and not any(part in f"{case.group} {case.name}" for part in options.only.split(",")):
                 continue
             case_dir = tmp / f"case-{number}"
             case_dir.mkdir()

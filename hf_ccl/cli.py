@@ -9,8 +9,10 @@ ever printed. SIGTERM stops a run as Ctrl-C does, with where to resume from.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import shlex
+import shutil
 import signal
 import sys
 import threading
@@ -18,6 +20,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
@@ -33,6 +36,8 @@ EXIT_FAILED = 1  # the run failed; the message says why
 EXIT_REFUSED = 2  # the command or the config was refused before anything was built or written (argparse's code)
 EXIT_SIGNAL_BASE = 128  # + the signal number: 130 for SIGINT (Ctrl-C), 143 for SIGTERM
 DEBUG_ENV = "HF_CCL_DEBUG"
+#: After a failure, less free space than this on the output disk is reported as a full disk.
+LOW_DISK_BYTES = 16 * 2**20
 #: Errors that come from what was asked or from the environment (files, network, data, a diverging loss): one line.
 #: Any other exception is a bug in hf_ccl or a library and keeps its traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, ImportError, FloatingPointError, yaml.YAMLError)
@@ -134,11 +139,15 @@ def _train_command(config_path: str | None, overrides: list[str], debug: bool) -
         except KeyboardInterrupt as error:
             _report_interrupt(error, config, config_path, overrides, debug)
             return EXIT_SIGNAL_BASE + getattr(error, "signum", signal.SIGINT)
-        except USER_ERRORS as error:
-            _report_error(error, debug)
-            return EXIT_REFUSED if config is None else EXIT_FAILED
-        except Exception as error:  # a bug: its traceback, always (with tokens redacted)
-            _print(_traceback(error))
+        except Exception as error:
+            full = None if config is None else disk_full(error, config.output_dir)
+            if full is not None:  # a full disk surfaces as whatever the writer raised (torch: "unexpected pos")
+                _report_error(OSError(f"{full}; the write failed with: {error}"), debug, error)
+                return EXIT_FAILED
+            if isinstance(error, USER_ERRORS):
+                _report_error(error, debug)
+                return EXIT_REFUSED if config is None else EXIT_FAILED
+            _print(_traceback(error))  # a bug: its traceback, always (with tokens redacted)
             return EXIT_FAILED
 
 
@@ -211,9 +220,28 @@ def _report_interrupt(
            f"  {shlex.join(command)}")
 
 
-def _report_error(error: BaseException, debug: bool) -> None:
+def disk_full(error: BaseException, output_dir: str) -> str | None:
+    """What to say when `error` came from a full disk under `output_dir` (an ENOSPC anywhere in its chain, or less
+    than `LOW_DISK_BYTES` left there after the failure); None otherwise."""
+    chain, seen = error, set()
+    enospc = False
+    while chain is not None and id(chain) not in seen:
+        seen.add(id(chain))
+        enospc = enospc or (isinstance(chain, OSError) and chain.errno == errno.ENOSPC)
+        chain = chain.__cause__ or chain.__context__
+    folder = Path(output_dir).resolve()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    if not enospc and free >= LOW_DISK_BYTES:
+        return None
+    return (f"no space left on the disk of {output_dir} ({free / 2**20:.1f} MiB free): make room, then resume "
+            "with resume_from_checkpoint=true (complete task checkpoints are kept)")
+
+
+def _report_error(error: BaseException, debug: bool, cause: BaseException | None = None) -> None:
     if debug:
-        _print(_traceback(error))
+        _print(_traceback(cause or error))
     message = " ".join(str(error).split()) or type(error).__name__
     _print(f"hf-ccl: error: {message}")
 

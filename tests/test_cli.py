@@ -44,3 +44,37 @@ def test_bad_override_fails_before_anything_is_written(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("hf-ccl: error: Unknown method 'nope'; valid methods: cllclip,") and err.count("\n") == 1
     assert "Traceback" not in err and not output_dir.exists()
+
+
+@pytest.mark.parametrize("raised", [
+    RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 6335552 vs 6335440"),  # torch.save
+    OSError(28, "No space left on device"),
+])
+def test_a_full_disk_is_named_whatever_the_writer_raised(tmp_path, capsys, monkeypatch, raised):
+    import collections
+
+    import hf_ccl.run
+
+    def fail(config):
+        raise raised
+
+    usage = collections.namedtuple("usage", "total used free")
+    free = 10 * 2**30 if isinstance(raised, OSError) else 12_000  # ENOSPC is named even with room left now
+    monkeypatch.setattr(hf_ccl.run, "run", fail)
+    monkeypatch.setattr("shutil.disk_usage", lambda path: usage(2**31, 2**31 - free, free))
+    assert main(["train", "--config", "digits", f"output_dir={tmp_path / 'run'}"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith(f"hf-ccl: error: no space left on the disk of {tmp_path / 'run'} (")
+    assert "resume_from_checkpoint=true" in err and str(raised).split()[-1] in err
+
+
+def test_another_failure_is_not_called_a_full_disk(tmp_path, capsys, monkeypatch):
+    import hf_ccl.run
+
+    def fail(config):
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(hf_ccl.run, "run", fail)
+    assert main(["train", "--config", "digits", f"output_dir={tmp_path / 'run'}"]) == 1
+    assert "no space" not in capsys.readouterr().err
