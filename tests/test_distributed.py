@@ -20,16 +20,22 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.multiprocess
-def test_two_processes_match_one(tmp_path):
+def launch_two_processes(script: Path, *args: str) -> subprocess.CompletedProcess:
+    """`accelerate launch --multi_gpu --num_processes 2 script *args` on CPU (gloo); asserts it exited 0."""
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", str(_free_port()), str(SCRIPT), str(tmp_path),
+        "--main_process_port", str(_free_port()), str(script), *args,
     ]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.multiprocess
+def test_two_processes_match_one(tmp_path):
+    launch_two_processes(SCRIPT, str(tmp_path))
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for report in reports:
         assert report["world_size"] == 2

@@ -1,8 +1,6 @@
 """Modality-pair streams on two processes (gloo, CPU): the ranks agree, and DNS's covariances are those of the data."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,19 +13,12 @@ from hf_ccl.pairs.learner import PairStreamArguments, PairStreamLearner
 SCRIPT = Path(__file__).parent / "scripts" / "pairs_two_process.py"
 sys.path.insert(0, str(SCRIPT.parent))
 from pairs_two_process import DIM, toy_stream  # noqa: E402
-from test_distributed import _free_port  # noqa: E402
+from test_distributed import launch_two_processes  # noqa: E402
 
 
 @pytest.mark.multiprocess
 def test_pair_methods_on_two_processes(tmp_path):
-    command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", str(_free_port()), str(SCRIPT), str(tmp_path),
-    ]  # fmt: skip
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    launch_two_processes(SCRIPT, str(tmp_path))
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert reports[0]["world_size"] == 2
     for method in ("dns", "gem"):

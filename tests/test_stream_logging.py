@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import shutil
 import struct
-import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -171,17 +168,9 @@ def test_cli_unusable_integration_fails_before_anything_is_written(tmp_path, cap
 
 @pytest.mark.multiprocess
 def test_two_processes_log_one_run_from_the_main_process(tmp_path):
-    from test_distributed import _free_port
+    from test_distributed import launch_two_processes
 
-    script = Path(__file__).parent / "scripts" / "two_process_logging.py"
-    command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", str(_free_port()), str(script), str(tmp_path),
-    ]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    launch_two_processes(Path(__file__).parent / "scripts" / "two_process_logging.py", str(tmp_path))
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert [report["world_size"] for report in reports] == [2, 2]
     assert [report["global_step"] for report in reports] == [6, 6]

@@ -30,14 +30,19 @@ from hf_ccl.testing import tiny_clip
 TEXTS = ["a photo of a cat", "a dog", "two birds", "a red car", "a photo of a cat", "a boat", "a tree", "the sea"]
 
 
-def global_batch_check(tokenizer, rank: int, world: int) -> dict:
+def whole_batch(tokenizer) -> tuple:
+    """A tiny CLIP and the whole batch every process starts from: encoding, pixels, text and image hashes."""
     model = tiny_clip(seed=0)
     model.align_special_tokens(tokenizer)
     encoding = tokenizer(TEXTS, padding=True, return_tensors="pt")
     torch.manual_seed(123)
     pixels = torch.randn(len(TEXTS), 3, 32, 32)
     text_hash = torch.tensor([zlib.crc32(t.encode()) % 1000 for t in TEXTS])
-    image_hash = torch.arange(len(TEXTS))
+    return model, encoding, pixels, text_hash, torch.arange(len(TEXTS))
+
+
+def global_batch_check(tokenizer, rank: int, world: int) -> dict:
+    model, encoding, pixels, text_hash, image_hash = whole_batch(tokenizer)
     # One process, whole batch: the loss computed directly, no gather involved.
     image_embeds = model.embed_images(pixels)
     text_embeds = model.embed_texts(encoding.input_ids, encoding.attention_mask)
@@ -71,13 +76,7 @@ def accumulation_check(tokenizer, rank: int, world: int) -> dict:
 
     from hf_ccl.accumulation import accumulated_backward
 
-    model = tiny_clip(seed=0)
-    model.align_special_tokens(tokenizer)
-    encoding = tokenizer(TEXTS, padding=True, return_tensors="pt")
-    torch.manual_seed(123)
-    pixels = torch.randn(len(TEXTS), 3, 32, 32)
-    text_hash = torch.tensor([zlib.crc32(t.encode()) % 1000 for t in TEXTS])
-    image_hash = torch.arange(len(TEXTS))
+    model, encoding, pixels, text_hash, image_hash = whole_batch(tokenizer)
 
     def penalty() -> torch.Tensor:
         return 1e-2 * model.text_projection.weight.pow(2).sum()
