@@ -233,19 +233,25 @@ def _base_model_line(base_model: str | None) -> str:
 
 
 # ----- the card -------------------------------------------------------------------------------------------------
+#: The split every task is evaluated on (each task's `eval` split: the source's test split, or a held-out part).
+EVAL_SPLIT = "eval"
+
+
 def eval_results(
     matrix: ResultsMatrix, sources: Mapping[str, str] | None = None
 ) -> list[EvalResult]:
-    """`model-index` entries for the last trained row of `matrix`: every task, every metric of `EVAL_METRICS`.
+    """`model-index` entries for the last trained row of `matrix`: every task trained so far, every metric of
+    `EVAL_METRICS` (tasks not trained yet are zero-shot transfer, shown in the card's matrix only).
 
     Values are in percent, rounded to 4 decimals; NaN and missing metrics are left out. `dataset_type` is the task's
-    source (`sources[task]`; the task name when unknown).
+    source (`sources[task]`; the task name when unknown) and `dataset_config` the task's name: the Hub merges
+    results whose task type, dataset type, config and split agree, so tasks cut from one source stay apart.
     """
     if not matrix.rows:
         return []
     last, sources = matrix.rows[-1], sources or {}
     results = []
-    for task in matrix.task_names:
+    for task in matrix.task_names[: min(matrix.num_trained, matrix.num_tasks)]:
         metrics = last.metrics.get(task, {})
         dataset_type = _source_name(sources.get(task) or "") or task
         for spec in EVAL_METRICS:
@@ -257,6 +263,8 @@ def eval_results(
                         task_name=spec.task_name,
                         dataset_type=dataset_type,
                         dataset_name=task,
+                        dataset_config=task,
+                        dataset_split=EVAL_SPLIT,
                         metric_type=spec.metric_type,
                         metric_name=spec.metric_name,
                         metric_value=round(value, 4),

@@ -74,6 +74,15 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
     train.add_argument("overrides", nargs="*", help="config overrides key=value, e.g. training.num_train_epochs=1")
     commands.add_parser("list", help="List the shipped recipes, the named streams and the methods.")
+    push = commands.add_parser(
+        "push", help="Push a run's task checkpoints to the Hub (e.g. those a run could not push).", epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    push.add_argument("run_dir", help="the run's output_dir (its task-<k>/ folders are pushed, each verified first)")
+    push.add_argument("--repo", required=True, help="the Hub repository id (token from HF_TOKEN or `hf auth login`)")
+    push.add_argument("--retries", type=int, default=3, help="retries of a failing request (default 3)")
+    push.add_argument("--timeout", type=float, default=60.0, help="seconds before a request is abandoned")
+    push.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
     return parser
 
 
@@ -82,7 +91,21 @@ def main(argv: list[str] | None = None) -> int:
     debug = args.debug or os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
     if args.command == "list":
         return list_main()
+    if args.command == "push":
+        return _push_command(args.run_dir, args.repo, args.retries, args.timeout, debug)
     return _train_command(args.config, args.overrides, debug)
+
+
+def _push_command(run_dir: str, repo: str, retries: int, timeout: float, debug: bool) -> int:
+    from .hub import push_run
+
+    try:
+        report = push_run(run_dir, repo, retries=retries, timeout=timeout)
+    except USER_ERRORS as error:
+        _report_error(error, debug)
+        return EXIT_FAILED
+    print(report.summary(), flush=True)
+    return EXIT_FAILED if report.failed else 0
 
 
 def list_main() -> int:

@@ -96,6 +96,16 @@ class RunConfig:
     save_checkpoints: bool = field(
         default=True, metadata={"help": "Write output_dir/task-<k>/ after every task (false: results only)."}
     )
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "Replace another run's files in output_dir (else such a folder is refused)."}
+    )
+    keep_trainer_checkpoints: bool = field(
+        default=False, metadata={"help": "Keep a finished task's mid-task Trainer checkpoints (trainer/task-<k>/)."}
+    )
+    resume_allow_changes: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Settings (dotted keys) that may differ from the checkpoint resumed from; recorded."},
+    )
 
     def __post_init__(self) -> None:
         self.validate()

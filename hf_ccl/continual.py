@@ -39,16 +39,17 @@ from transformers import (
     TrainerCallback,
     TrainingArguments,
 )
-from transformers.trainer_utils import get_last_checkpoint, load_sharded_checkpoint
+from transformers.trainer_utils import load_sharded_checkpoint
 
 from . import __version__
 from .accumulation import REENCODE_PASSES
 from .cards import write_model_card
+from .checkpoint_files import checkpoint_is_complete, verify_checkpoint, write_manifest
 from .compute import TaskCompute, forward_macs_per_sample, load_compute, save_compute, task_compute
 from .data.collate import CLIPCollator
 from .data.streaming import column_names, is_empty, is_streaming, whole_batches
 from .data.task import CANONICAL_COLUMNS, TaskStream
-from .distributed import barrier, is_main_process, world_size
+from .distributed import barrier, broadcast_object, is_main_process, world_size
 from .evaluation.evaluator import evaluate_task, iter_column
 from .evaluation.matrix import ResultsMatrix
 from .evaluation.spatial_disorder import (
@@ -70,6 +71,8 @@ from .methods.base import ContinualMethod, TaskContext
 from .methods.registry import check_methods
 from .methods.state import load_method_states, save_method_states
 from .modeling import ContinualCLIPModel
+from .resume_settings import UNCOMPARED_TRAINING, allowed, describe_diff, run_settings, settings_diff
+from .run_folder import RunFolderLock, claim_run_folder
 from .stream_logging import StreamLogger, reporting_callbacks
 from .tokenization import resize_position_embeddings
 from .trainer import MID_TASK_STATE, ContinualTrainer
@@ -142,6 +145,21 @@ class ContinualArguments:
     hub_timeout: float = field(default=60.0, metadata={"help": "Seconds before any Hub request is abandoned."})
     hub_retries: int = field(default=3, metadata={"help": "Retries (exponential backoff) of a failing Hub request."})
     hub_retry_backoff: float = field(default=1.0, metadata={"help": "First backoff delay in seconds (doubles)."})
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Start a new run in an output_dir that holds another run: its task checkpoints, Trainer "
+                  "checkpoints, results and compute files are removed first. Without it such a folder is refused."},
+    )
+    keep_trainer_checkpoints: bool = field(
+        default=False,
+        metadata={"help": "Keep output_dir/trainer/task-<k>/ (the mid-task Trainer checkpoints) after task k's "
+                  "checkpoint is written; by default they are removed then."},
+    )
+    resume_allow_changes: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Dotted keys (fnmatch patterns) of settings that may differ from the checkpoint resumed "
+                  "from, e.g. [training.learning_rate]; each change is recorded in the next checkpoints."},
+    )
 
     def __post_init__(self) -> None:
         """Every value checked (type, range, consistency) before anything is built, trained or written."""
@@ -171,6 +189,13 @@ class ContinualArguments:
         if isinstance(resume, str) and resume != "auto" and not Path(resume).exists():
             raise ConfigError(f"resume_from_checkpoint: no such folder {resume!r}; give true, 'auto' or the path of a "
                               "task checkpoint (or run folder)")
+        resuming = resume not in (None, False)
+        if self.overwrite_output_dir and resuming:
+            raise ConfigError("overwrite_output_dir removes the run that resume_from_checkpoint would continue: set "
+                              "one of them", "overwrite_output_dir")
+        if self.resume_allow_changes and not resuming:
+            raise ConfigError("resume_allow_changes applies to a resume: set resume_from_checkpoint too, or remove it",
+                              "resume_allow_changes")
         if self.samples_per_task is not None:
             if self.first_task_epochs is not None:
                 raise ConfigError("samples_per_task fixes every task's compute: leave first_task_epochs unset")
@@ -271,6 +296,9 @@ class ContinualLearner:
         self.compute: list[TaskCompute] = []  # samples seen and MACs per trained task
         self.global_step = 0  # optimizer steps over the stream so far: the step `training.report_to` logs at
         self.stream_logger: StreamLogger | None = None  # one logging run per fit()
+        self.settings = run_settings(args, stream, methods)  # what a resume must match (before anything runs)
+        self.resume_changes: list[dict[str, Any]] = []  # settings changed on purpose at a resume
+        self._lock: RunFolderLock | None = None
 
     @property
     def max_length(self) -> int:
@@ -278,8 +306,32 @@ class ContinualLearner:
         return min(self.args.max_length or limit, limit)
 
     # ----- the loop -----------------------------------------------------------------------------------------
+    def claim_output_dir(self) -> None:
+        """Lock output_dir for this run (main process) and refuse to start a new run over another run's files
+        (`overwrite_output_dir` removes them). Done by `fit`; call it earlier to check before writing anything."""
+        if self._lock is not None or not is_main_process():
+            return
+        lock = RunFolderLock(self.output_dir)
+        lock.acquire()
+        try:
+            claim_run_folder(self.output_dir, resume=self.args.resume_from_checkpoint not in (None, False),
+                             overwrite=self.args.overwrite_output_dir)
+        except BaseException:
+            lock.release()
+            raise
+        self._lock = lock
+
     def fit(self) -> ResultsMatrix:
         """Run the whole stream; returns the results matrix (also saved in every checkpoint)."""
+        self.claim_output_dir()
+        try:
+            return self._fit()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
+
+    def _fit(self) -> ResultsMatrix:
         self.stream_logger = StreamLogger(self.args.training.get("report_to"), self.output_dir, self.callbacks)
         resumed = self._find_resume_checkpoint()
         if resumed is not None:
@@ -295,10 +347,15 @@ class ContinualLearner:
         self.pusher = self._make_pusher()
         try:
             self._run_tasks(first_task, last_checkpoint)
+            self._save_run_files()  # current even when a finished run was resumed
             self.stream_logger.end(self.global_step, model=self.model)
         finally:  # even when a task fails, the finished tasks' pushes complete (bounded by timeouts and retries)
             if self.pusher is not None:
                 self.push_report = self.pusher.finish()
+                if self.push_report.failed:
+                    logger.warning("%d task revision(s) could not be pushed to %s (see push_report; `hf-ccl push` "
+                                   "pushes a run's checkpoints again)", len(self.push_report.failed),
+                                   self.args.hub_model_id)
         return self.results
 
     def _run_tasks(self, first_task: int, last_checkpoint: Path | None) -> None:
@@ -323,6 +380,7 @@ class ContinualLearner:
                     "samples_per_task": self.args.samples_per_task,
                     "max_length": self.max_length,
                     "eval_batch_size": self.args.eval_batch_size,
+                    "run_settings": self.settings,  # stored in mid-task checkpoints, compared on resume
                 },
             )
             self._start_task(context)
@@ -341,6 +399,8 @@ class ContinualLearner:
                 last_checkpoint = self.save_checkpoint(index)
                 if self.pusher is not None:
                     self.pusher.push(last_checkpoint, index)
+                if not self.args.keep_trainer_checkpoints and is_main_process():
+                    shutil.rmtree(self.output_dir / "trainer" / f"task-{index}", ignore_errors=True)
             bar.update(1)
         bar.close()
 
@@ -398,13 +458,14 @@ class ContinualLearner:
         barrier()
         if not (folder / CHECKPOINT_STATE).exists():
             raise ValueError(f"Revision task-{index} of {repo} has no {CHECKPOINT_STATE}: not an hf_ccl task checkpoint")
-        return folder
+        return folder  # verified by `restore`, like a local one
 
     def restore(self, folder: str | Path) -> int:
         """Load a task checkpoint written by `save_checkpoint`: model weights, tokenizer (if it grew), every method's
         state, the results so far. Returns the index of the task it was written after. Every problem is an error
         naming the file, never a silent fresh start."""
         folder = Path(folder)
+        verify_checkpoint(folder)
         state = _read_json(folder / CHECKPOINT_STATE)
         index = int(state["task_index"])
         names = self.stream.task_names
@@ -415,6 +476,7 @@ class ContinualLearner:
         if state.get("methods") != methods:
             raise ValueError(f"{folder / CHECKPOINT_STATE} was written with methods {state.get('methods')}, but this "
                              f"run has {methods}: resume with the same methods")
+        self._check_settings(state, folder / CHECKPOINT_STATE, index)
         tokenizer_file = folder / "tokenizer_config.json"
         if tokenizer_file.exists():
             saved = AutoTokenizer.from_pretrained(str(folder))
@@ -589,13 +651,17 @@ class ContinualLearner:
         if self.args.resume_from_checkpoint in (None, False):
             return None
         trainer_dir = Path(training_args.output_dir)
-        found = get_last_checkpoint(str(trainer_dir)) if trainer_dir.is_dir() else None
+        found = newest_complete_trainer_checkpoint(trainer_dir) if is_main_process() else None
+        found = broadcast_object(found)
         if found is None and training_args.push_to_hub:
             found = self._download_training_checkpoint(training_args, trainer_dir, task_index)
         if found is not None:
-            owner = _read_json(Path(found) / MID_TASK_STATE / "task.json").get("task_index")
-            if owner != task_index:
-                raise ValueError(f"Trainer checkpoint {found} was written during task {owner}, not task {task_index}")
+            task = _read_json(Path(found) / MID_TASK_STATE / "task.json")
+            if task.get("task_index") != task_index:
+                raise ValueError(f"Trainer checkpoint {found} was written during task {task.get('task_index')}, not "
+                                 f"task {task_index}")
+            if "settings" in task:
+                self._check_settings(task, Path(found) / MID_TASK_STATE / "task.json", task_index - 1)
         return found
 
     def _download_training_checkpoint(
@@ -616,6 +682,41 @@ class ContinualLearner:
             return None
         task = _read_json(folder / MID_TASK_STATE / "task.json").get("task_index")
         return str(folder) if task == task_index else None
+
+    def _check_settings(self, saved: dict[str, Any], source: Path, after_task: int) -> None:
+        """Refuse a resume whose settings differ from those `saved` (a checkpoint's state), except the keys of
+        `resume_allow_changes`, which are recorded. Checkpoints without `settings` (older hf_ccl) are compared on
+        the keys they stored."""
+        settings = saved.get("settings")
+        if settings is None:
+            legacy = {"seed": saved.get("seed"), "methods": saved.get("methods"),
+                      "method_args": saved.get("method_configs"), "first_task_epochs": saved.get("first_task_epochs"),
+                      "training": {k: v for k, v in (saved.get("training") or {}).items()
+                                   if k in self.settings["training"] or k not in UNCOMPARED_TRAINING}}
+            settings = {key: value for key, value in legacy.items() if key in saved or key == "method_args"}
+            now = {key: self.settings[key] for key in settings}
+        else:
+            now = self.settings
+        changes = settings_diff(settings, now)
+        refused = [change for change in changes if not allowed(change[0], self.args.resume_allow_changes)]
+        if refused:
+            raise ConfigError(
+                f"{source} was written with other settings than this run's (saved -> now): {describe_diff(refused)}. "
+                "Resume with the same settings, or allow these changes with resume_allow_changes="
+                f"[{', '.join(key for key, _, _ in refused)}]", "resume_from_checkpoint")
+        self.resume_changes = list(saved.get("resume_changes", []))
+        recorded = {(change["key"], json.dumps(change["now"])) for change in self.resume_changes}
+        for key, old, new in changes:
+            if (key, json.dumps(new)) not in recorded:
+                self.resume_changes.append({"after_task": after_task, "key": key, "saved": old, "now": new})
+                logger.warning("Resuming after task %d with %s changed: %r -> %r (allowed)", after_task, key, old, new)
+
+    def _save_run_files(self) -> None:
+        """The run folder's results, compute and disorder files, as in the last task checkpoint."""
+        if is_main_process() and (self.args.save_checkpoints or self.pusher is not None):
+            self.results.save(self.output_dir)
+            save_compute(self.compute, self.output_dir)
+            self._save_disorder(self.output_dir)
 
     # ----- evaluation and checkpoints ---------------------------------------------------------------------
     def evaluate(self) -> dict[str, dict[str, float]]:
@@ -694,14 +795,15 @@ class ContinualLearner:
                 "first_task_epochs": self.args.first_task_epochs,
                 "global_step": self.global_step,
                 "hf_ccl_version": __version__,
+                "settings": self.settings,
+                "resume_changes": self.resume_changes,
             }
             (partial / CHECKPOINT_STATE).write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
             write_model_card(partial, repo_id=self.args.hub_model_id)
+            write_manifest(partial)  # last: a folder without it was cut short
             shutil.rmtree(final, ignore_errors=True)
             os.replace(partial, final)
-            self.results.save(self.output_dir)
-            save_compute(self.compute, self.output_dir)
-            self._save_disorder(self.output_dir)
+        self._save_run_files()
         barrier()
         return final
 
@@ -719,6 +821,21 @@ def latest_task_checkpoint(run_dir: str | Path) -> Path | None:
         if child.is_dir() and name.startswith("task-") and name[5:].isdigit() and (child / CHECKPOINT_STATE).exists():
             found.append((int(name[5:]), child))
     return max(found)[1] if found else None
+
+
+def newest_complete_trainer_checkpoint(trainer_dir: Path) -> str | None:
+    """The newest `checkpoint-<n>/` under `trainer_dir` whose manifest verifies; newer ones that do not (cut short
+    by a kill or a full disk, damaged) are removed with a warning. None when there is none."""
+    if not trainer_dir.is_dir():
+        return None
+    candidates = [p for p in trainer_dir.iterdir() if p.is_dir() and p.name.startswith("checkpoint-")
+                  and p.name[len("checkpoint-"):].isdigit()]
+    for folder in sorted(candidates, key=lambda p: int(p.name[len("checkpoint-"):]), reverse=True):
+        if checkpoint_is_complete(folder):
+            return str(folder)
+        logger.warning("Trainer checkpoint %s is incomplete or damaged: removed; resuming from an earlier one", folder)
+        shutil.rmtree(folder, ignore_errors=True)
+    return None
 
 
 def load_model_weights(model: torch.nn.Module, folder: Path) -> None:

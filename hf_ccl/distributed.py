@@ -34,6 +34,15 @@ def barrier() -> None:
         dist.barrier()
 
 
+def broadcast_object(value: object) -> object:
+    """The main process's `value` on every process (as is when not distributed)."""
+    if not is_distributed():
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
 def all_gather_with_grad(tensor: torch.Tensor) -> torch.Tensor:
     """Concatenate `tensor` from every process along dim 0, keeping gradients (identity on one process).
 

@@ -29,6 +29,8 @@ from huggingface_hub import HfApi, snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 from huggingface_hub.utils import _http as hub_http
 
+from .checkpoint_files import verify_checkpoint
+
 logger = logging.getLogger(__name__)
 
 TASK_BRANCH = "task-{index}"
@@ -116,6 +118,32 @@ class PushReport:
         return "\n".join(lines)
 
 
+class PushFailedError(OSError):
+    """Some task revisions could not be pushed (after retries); training and local checkpoints are complete."""
+
+    def __init__(self, report: PushReport, run_dir: str | Path):
+        missing = ", ".join(f"task-{record.task_index}" for record in report.failed)
+        super().__init__(
+            f"{len(report.failed)} of {len(report.records)} task revisions were not pushed to {report.repo_id} "
+            f"({missing}); the local checkpoints in {run_dir} are complete. Push them with: "
+            f"hf-ccl push {run_dir} --repo {report.repo_id}. {report.summary()}"
+        )
+        self.report = report
+
+
+def push_run(run_dir: str | Path, repo_id: str, **options: Any) -> PushReport:
+    """Push every task checkpoint `run_dir/task-<k>/` to `repo_id` (branch `task-<k>`, the newest also to main), as
+    the run would have; `options` are `HubPusher`'s (timeout, retries, backoff, private)."""
+    folders = sorted((int(p.name[5:]), p) for p in Path(run_dir).glob("task-*") if p.name[5:].isdigit())
+    if not folders:
+        raise ValueError(f"{run_dir} has no task checkpoints (task-<k>/ folders) to push")
+    pusher = HubPusher(repo_id, background=False, **options)
+    for index, folder in folders:
+        verify_checkpoint(folder)  # never push a damaged checkpoint
+        pusher.push(folder, index)
+    return pusher.finish()
+
+
 class HubPusher:
     """Pushes task checkpoints to `repo_id` in the background, in task order, retrying what failed.
 
@@ -168,9 +196,7 @@ class HubPusher:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
-        report = PushReport(self.repo_id, [self._records[k] for k in sorted(self._records)])
-        (logger.warning if report.failed else logger.info)("%s", report.summary())
-        return report
+        return PushReport(self.repo_id, [self._records[k] for k in sorted(self._records)])
 
     # ----- internals --------------------------------------------------------------------------------------
     def _pending(self) -> list[PushRecord]:
@@ -265,6 +291,8 @@ def task_branches(repo_id: str, api: HfApi | None = None) -> dict[int, str]:
 
 
 def download_task_checkpoint(repo_id: str, task_index: int, local_dir: str | Path) -> Path:
-    """Download revision `task-<task_index>` of `repo_id` into `local_dir` (a complete checkpoint folder)."""
-    path = snapshot_download(repo_id, revision=TASK_BRANCH.format(index=task_index), local_dir=str(local_dir))
-    return Path(path)
+    """Download revision `task-<task_index>` of `repo_id` into `local_dir` and verify it (`CheckpointError` naming
+    a damaged or missing file)."""
+    path = Path(snapshot_download(repo_id, revision=TASK_BRANCH.format(index=task_index), local_dir=str(local_dir)))
+    verify_checkpoint(path)  # every file against the manifest pushed with it
+    return path

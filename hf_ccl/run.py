@@ -21,6 +21,7 @@ from .data.spec import RUN_SUPPLIED, STREAM_BUILDERS, build_stream_from_spec, ch
 from .data.task import TaskStream
 from .distributed import is_main_process
 from .evaluation.matrix import ResultsMatrix
+from .hub import PushFailedError
 from .methods import build_methods, check_methods
 from .modeling import ContinualCLIPModel, tiny_clip_config
 from .validation import ConfigError, check_mapping, type_hints
@@ -157,13 +158,16 @@ def run(config: RunConfig) -> ResultsMatrix:
     stream = build_run_stream(config)
     model = load_model(config)
     image_processor, tokenizer = load_processors(config, model)
-    if is_main_process():
-        Path(config.output_dir).mkdir(parents=True, exist_ok=True)
-        save_config(config, Path(config.output_dir) / "run_config.yaml")
     learner = ContinualLearner(model, stream, methods, image_processor, tokenizer, args)
+    learner.claim_output_dir()  # locked, and not another run's folder, before anything is written there
+    if is_main_process():
+        save_config(config, Path(config.output_dir) / "run_config.yaml")
     results = learner.fit()
     if learner.compute and is_main_process():
         print(compute_summary(learner.compute), flush=True)
-    if learner.push_report is not None and is_main_process():
-        print(learner.push_report.summary(), flush=True)
+    report = learner.push_report
+    if report is not None and is_main_process():
+        if report.failed:  # after training and every local checkpoint: the run did not do all it was asked
+            raise PushFailedError(report, config.output_dir)
+        print(report.summary(), flush=True)
     return results

@@ -15,8 +15,10 @@ from typing import Any
 import torch
 from accelerate.utils.memory import clear_device_cache
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .accumulation import Batch, accumulated_backward
+from .checkpoint_files import write_manifest
 from .distributed import is_main_process, rank
 from .methods.base import ContinualMethod, TaskContext
 from .methods.state import load_method_states, save_method_states
@@ -272,11 +274,22 @@ class ContinualTrainer(Trainer):
             save_method_states(self.methods, folder)
             task = {"task_index": None if self.context is None else self.context.task_index,
                     "task_name": None if self.context is None else self.context.task.name}
+            if self.context is not None and "run_settings" in self.context.extras:
+                task["settings"] = self.context.extras["run_settings"]  # compared when the task resumes
             (folder / "task.json").write_text(json.dumps(task), encoding="utf-8")
         sampler = getattr(self.data_collator, "state_dict", None)
         if callable(sampler):
             path = folder / f"collator_rank{rank()}.json"
             path.write_text(json.dumps(sampler()), encoding="utf-8")
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """The Trainer's checkpoint, then (once every process has written its files) its manifest, written last:
+        a checkpoint without one was cut short and is skipped on resume (`hf_ccl.checkpoint_files`)."""
+        super()._save_checkpoint(model, trial)
+        self.accelerator.wait_for_everyone()
+        folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if is_main_process() and folder.is_dir():
+            write_manifest(folder)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         super()._load_rng_state(checkpoint)

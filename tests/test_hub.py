@@ -72,8 +72,30 @@ def test_three_tasks_push_three_revisions_that_reload_in_plain_transformers(loca
     assert 'revision="task-1"' in card.text and REPO in card.text
     row = results.rows[-2]  # after task 1
     assert f"| after {row.label} |" in card.text
-    assert len(card.data.eval_results) >= 3
+    assert len(card.data.eval_results) >= 2  # the two tasks trained by then
     assert len(_commits(local_hub)) == 3  # one commit per task
+
+
+def test_the_pushed_card_keeps_one_result_per_task_of_a_shared_source(local_hub, tmp_path):
+    """digits: every task is cut from one source. The card read back from the Hub by huggingface_hub's ModelCard holds
+    one result per trained task and metric, under the task's own name, with the task's value."""
+    from hf_ccl.cards import EVAL_METRICS
+
+    learner, results = _run(tmp_path)
+    assert len({task.source for task in learner.stream}) == 1
+    key_of = {spec.metric_type: spec.key for spec in EVAL_METRICS}
+    for revision, trained in (("task-1", 2), (None, 3)):  # main holds the newest task
+        path = hf_hub_download(REPO, "README.md", revision=revision) if revision else REPO
+        card = ModelCard.load(path)
+        found = {}
+        for result in card.data.eval_results:
+            found.setdefault((result.dataset_name, result.metric_type), []).append(result)
+        assert {name for name, _ in found} == set(results.task_names[:trained])  # untrained tasks left out
+        row = [r for r in results.rows if r.label != "initial"][trained - 1]
+        for (task, metric), entries in found.items():
+            assert len(entries) == 1, f"{task} {metric}: {len(entries)} entries"
+            assert entries[0].dataset_config == task
+            assert entries[0].metric_value == pytest.approx(row.metrics[task][key_of[metric]], abs=1e-4)
 
 
 def test_failing_hub_training_goes_on_and_failed_pushes_land_later(local_hub, tmp_path):
@@ -193,6 +215,7 @@ def test_mid_task_resume_from_the_trainer_checkpoint_on_the_hub(local_hub, tmp_p
     def run(resume: bool, callbacks=()):
         learner = resumable_run.build_learner(str(run_dir), ["er"], resume, REPO, list(callbacks))
         learner.args.training.update(push_to_hub=True, hub_strategy="checkpoint")
+        learner.args.keep_trainer_checkpoints = True  # to see below where task 1 resumed from
         return learner, learner.fit()
 
     run_dir = tmp_path / "run"
@@ -220,3 +243,26 @@ def test_an_unreachable_hub_loses_nothing_but_the_pushes(tmp_path):
     assert all("Connect" in r.error or "connect" in r.error for r in learner.push_report.failed), \
         learner.push_report.summary()
     assert all((tmp_path / "run" / f"task-{k}" / "model.safetensors").exists() for k in range(3))
+
+
+def test_a_cli_run_whose_pushes_fail_exits_1_after_every_checkpoint_then_hf_ccl_push(local_hub, tmp_path, capsys):
+    """Every write fails: the run trains every task and writes every checkpoint, then exits 1 naming the revisions
+    that are missing and how to push them; `hf-ccl push` pushes them once the Hub is back."""
+    from hf_ccl.cli import main
+
+    run_dir = tmp_path / "run"
+    local_hub.faults = FaultPlan(fail_every=1)
+    code = main(["train", "--config", "digits", f"output_dir={run_dir}", "progress=false", "training.max_steps=2",
+                 "training.per_device_train_batch_size=16", "stream_args.max_train_per_task=32",
+                 "stream_args.max_eval_per_task=10", "model.config.hidden_size=32", "model.config.num_layers=1",
+                 f"hub_model_id={REPO}", "hub_retries=1", "hub_retry_backoff=0.01"])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert all((run_dir / f"task-{k}" / "checkpoint_manifest.json").exists() for k in range(5))
+    assert "5 of 5 task revisions were not pushed" in captured.err and f"hf-ccl push {run_dir}" in captured.err
+    assert captured.out.count("Hub pushes to") == 0 and captured.err.count("Hub pushes to") == 1  # reported once
+    local_hub.faults = FaultPlan()
+    assert main(["push", str(run_dir), "--repo", REPO]) == 0
+    assert "5/5 task revisions pushed" in capsys.readouterr().out
+    branches = {b.name for b in HfApi().list_repo_refs(REPO).branches}
+    assert {f"task-{k}" for k in range(5)} <= branches

@@ -1,0 +1,107 @@
+"""What a resumed run must share with the run it continues, and the readable diff when it does not.
+
+Every task checkpoint stores the run's `settings` (`run_settings`): seed, the training section, methods and their
+options, the compute rules, and the stream (task names, sources and a signature of each task's data, so that a changed
+`max_train_per_task` or another data file is caught). A resume compares them key by key (`settings_diff`) and refuses
+any difference not named in `resume_allow_changes` (dotted keys, `fnmatch` patterns allowed); allowed ones are
+recorded as `resume_changes` in the next checkpoints (and shown in the model card).
+
+Not compared, because they cannot change what is learned or measured: progress bars, evaluation batch size, Hub
+settings, logging and reporting options, dataloader workers, where and how often Trainer checkpoints are saved.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from .data.streaming import is_streaming
+from .data.task import TaskStream
+
+#: Keys of the training section that are not compared on resume (they do not change what is trained).
+UNCOMPARED_TRAINING = frozenset({
+    "report_to", "logging_steps", "logging_strategy", "logging_first_step", "logging_dir", "run_name",
+    "dataloader_num_workers", "dataloader_pin_memory", "dataloader_persistent_workers", "dataloader_prefetch_factor",
+    "save_strategy", "save_steps", "save_total_limit", "save_on_each_node", "save_safetensors",
+    "push_to_hub", "hub_model_id", "hub_strategy", "hub_revision", "hub_always_push", "hub_private_repo",
+    "torch_empty_cache_steps", "use_cpu",
+})
+
+
+def data_signature(dataset: Any) -> dict[str, Any]:
+    """Rows and a hash of the `image_id` column (in order) of a split; a streaming split has no signature."""
+    if is_streaming(dataset):
+        return {"streaming": True}
+    ids = dataset["image_id"] if "image_id" in dataset.column_names else list(range(len(dataset)))
+    digest = hashlib.sha256(json.dumps([str(value) for value in ids]).encode()).hexdigest()[:16]
+    return {"rows": len(dataset), "image_ids": digest}
+
+
+def run_settings(args: Any, stream: TaskStream, methods: Iterable[Any]) -> dict[str, Any]:
+    """What a resume must match: from `ContinualArguments`, the stream and the methods."""
+    methods = list(methods)
+    return {
+        "seed": args.seed,
+        "training": {key: value for key, value in args.training.items() if key not in UNCOMPARED_TRAINING},
+        "methods": [method.name for method in methods],
+        "method_args": {method.name: method.config.to_dict() for method in methods},
+        "first_task_epochs": args.first_task_epochs,
+        "samples_per_task": args.samples_per_task,
+        "warmup": args.warmup,
+        "max_length": args.max_length,
+        "evaluate_initial": args.evaluate_initial,
+        "spatial_disorder_task": args.spatial_disorder_task,
+        "stream": {
+            "name": stream.name,
+            "tasks": [
+                {"name": task.name, "source": task.source, "train": data_signature(task.train),
+                 "eval": data_signature(task.eval)}
+                for task in stream
+            ],
+        },
+    }
+
+
+def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """`{"a": {"b": 1}, "l": [{"c": 2}]}` -> `{"a.b": 1, "l.0.c": 2}` (JSON values, as saved)."""
+    value = json.loads(json.dumps(value, default=str))
+    flat: dict[str, Any] = {}
+
+    def walk(item: Any, key: str) -> None:
+        if isinstance(item, Mapping) and item:
+            for name, child in item.items():
+                walk(child, f"{key}.{name}" if key else str(name))
+        elif isinstance(item, list) and item and any(isinstance(child, (Mapping, list)) for child in item):
+            for position, child in enumerate(item):
+                walk(child, f"{key}.{position}")
+        else:
+            flat[key] = item
+
+    walk(value, prefix)
+    return flat
+
+
+_MISSING = "<not set>"
+
+
+def settings_diff(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """`(dotted key, saved value, value now)` for every key whose value differs (keys saved only by a newer or older
+    hf_ccl on one side are compared as well: absent shows as `<not set>`)."""
+    old, new = flatten(saved), flatten(now)
+    keys = sorted(set(old) | set(new))
+    return [(key, old.get(key, _MISSING), new.get(key, _MISSING)) for key in keys
+            if old.get(key, _MISSING) != new.get(key, _MISSING)]
+
+
+def allowed(key: str, patterns: Iterable[str]) -> bool:
+    """Whether `key` (or a parent of it: `method_args.er` allows `method_args.er.buffer_size`) matches a pattern."""
+    parts = key.split(".")
+    prefixes = [".".join(parts[:end]) for end in range(1, len(parts) + 1)]
+    return any(fnmatch.fnmatchcase(prefix, pattern) for pattern in patterns for prefix in prefixes)
+
+
+def describe_diff(changes: list[tuple[str, Any, Any]]) -> str:
+    return "\n".join(f"  {key}: {saved!r} -> {now!r}" for key, saved, now in changes)
