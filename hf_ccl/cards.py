@@ -273,6 +273,56 @@ def eval_results(
     return results
 
 
+def chance_level(entry: Mapping[str, Any]) -> float | None:
+    """The headline score (%) of a random guess: 100/classes for accuracy; for retrieval R_mean, the mean of K/N over
+    K = 1, 5, 10 with N eval examples (one caption per image)."""
+    if entry.get("kind") == "classification" and entry.get("classes"):
+        return 100.0 / entry["classes"]
+    examples = entry.get("examples")
+    if entry.get("kind") == "retrieval" and examples:
+        return 100.0 * sum(min(k, examples) / examples for k in (1, 5, 10)) / 3
+    return None
+
+
+def _protocol_rows(evaluation: list[Mapping[str, Any]]) -> list[list[str]]:
+    rows = []
+    for entry in evaluation:
+        chance = chance_level(entry)
+        rows.append([_cell(entry.get("task")), "zero-shot classification" if entry.get("kind") == "classification"
+                     else "image-text retrieval", _cell(entry.get("split", "eval")), _value(entry.get("examples")),
+                     _value(entry.get("classes")) if entry.get("classes") else MISSING,
+                     _value(entry.get("templates")) if entry.get("templates") else MISSING,
+                     MISSING if chance is None else format_score(chance, 2)])
+    return rows
+
+
+def _preprocessing(folder: Path) -> str:
+    """Image preprocessing as saved with the checkpoint (`preprocessor_config.json`)."""
+    path = folder / "preprocessor_config.json"
+    if not path.is_file():
+        return ""
+    config = json.loads(path.read_text(encoding="utf-8"))
+    size, crop = config.get("size"), config.get("crop_size")
+    parts = [f"resize to {_value(size)}" if size else "", f"center crop {_value(crop)}" if crop else "",
+             f"normalise with mean {_value(config.get('image_mean'))}, std {_value(config.get('image_std'))}"
+             if config.get("image_mean") else ""]
+    return "; ".join(part for part in parts if part)
+
+
+def _samples_seen(folder: Path) -> int | None:
+    path = folder / "compute.json"
+    if not path.is_file():
+        return None
+    tasks = json.loads(path.read_text(encoding="utf-8")).get("tasks", [])
+    return sum(int(task.get("samples_seen", 0)) for task in tasks)
+
+
+def _samples_seen_text(samples: int | None) -> str:
+    if samples is None:
+        return "the number of training samples is not recorded"
+    return f"{samples:,} training samples seen over the whole stream so far"
+
+
 def _derived_rows(matrix: ResultsMatrix) -> tuple[list[tuple[str, str, str]], list[str]]:
     summary = matrix.summary()
     order = {name: position for position, name in enumerate(DERIVED_LABELS)}
@@ -328,6 +378,7 @@ def build_model_card(
     results = eval_results(matrix, sources)
     hub_datasets = [source for source in sources.values() if "/" in source and is_hub_id(source)]
     card_data = ModelCardData(
+        license=state.get("card_license") or "other",
         model_name=model_name,
         library_name="transformers",
         pipeline_tag=PIPELINE_TAG,
@@ -384,6 +435,12 @@ def build_model_card(
         "datasets": [(name, terms) for name, (terms, _) in datasets.items()],
         "any_bundled": any(bundled for _, bundled in datasets.values()),
         "hf_ccl_version": state.get("hf_ccl_version") or __version__,
+        "license": state.get("card_license"),
+        "protocol": _protocol_rows(state.get("evaluation") or []),
+        "preprocessing": _preprocessing(folder),
+        "samples_seen_text": _samples_seen_text(_samples_seen(folder)),
+        "resume_changes": [(change.get("after_task"), _cell(change.get("key")), _value(change.get("saved")),
+                            _value(change.get("now"))) for change in state.get("resume_changes") or []],
     }
     environment = jinja2.Environment(
         trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, undefined=jinja2.StrictUndefined

@@ -102,6 +102,9 @@ class RunConfig:
     keep_trainer_checkpoints: bool = field(
         default=False, metadata={"help": "Keep a finished task's mid-task Trainer checkpoints (trainer/task-<k>/)."}
     )
+    card_license: str | None = field(
+        default=None, metadata={"help": "License id in the model card (e.g. apache-2.0); default 'other'."}
+    )
     resume_allow_changes: list[str] = field(
         default_factory=list,
         metadata={"help": "Settings (dotted keys) that may differ from the checkpoint resumed from; recorded."},

@@ -59,6 +59,7 @@ from .evaluation.spatial_disorder import (
     plot_spatial_disorder,
     spatial_disorder,
 )
+from .evaluation.zeroshot import DEFAULT_TEMPLATES
 from .hub import (
     HubPusher,
     PushReport,
@@ -155,6 +156,11 @@ class ContinualArguments:
         metadata={"help": "Keep output_dir/trainer/task-<k>/ (the mid-task Trainer checkpoints) after task k's "
                   "checkpoint is written; by default they are removed then."},
     )
+    card_license: str | None = field(
+        default=None,
+        metadata={"help": "License of the trained model for its card's front matter (a Hub license id such as "
+                  "apache-2.0, or 'other'); None: 'other', with the base model's and datasets' terms named."},
+    )
     resume_allow_changes: list[str] = field(
         default_factory=list,
         metadata={"help": "Dotted keys (fnmatch patterns) of settings that may differ from the checkpoint resumed "
@@ -177,6 +183,8 @@ class ContinualArguments:
         check_range("hub_timeout", self.hub_timeout, 0, low_open=True)
         check_range("hub_retries", self.hub_retries, 0)
         check_range("hub_retry_backoff", self.hub_retry_backoff, 0)
+        if self.card_license is not None and not self.card_license.strip():
+            raise ConfigError("card_license must be a license id (e.g. apache-2.0, mit, other) or null", "card_license")
         if self.hub_model_id is not None:
             try:
                 validate_repo_id(self.hub_model_id)
@@ -797,6 +805,8 @@ class ContinualLearner:
                 "hf_ccl_version": __version__,
                 "settings": self.settings,
                 "resume_changes": self.resume_changes,
+                "card_license": self.args.card_license,
+                "evaluation": [evaluation_protocol(task) for task in self.stream],
             }
             (partial / CHECKPOINT_STATE).write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
             write_model_card(partial, repo_id=self.args.hub_model_id)
@@ -821,6 +831,13 @@ def latest_task_checkpoint(run_dir: str | Path) -> Path | None:
         if child.is_dir() and name.startswith("task-") and name[5:].isdigit() and (child / CHECKPOINT_STATE).exists():
             found.append((int(name[5:]), child))
     return max(found)[1] if found else None
+
+
+def evaluation_protocol(task: Any) -> dict[str, Any]:
+    """What the model card says of how a task is evaluated: its kind, eval rows, classes and prompt templates."""
+    return {"task": task.name, "kind": task.kind, "split": "eval", "examples": len(task.eval),
+            "classes": len(task.class_names) if task.class_names else None,
+            "templates": len(task.eval_templates or DEFAULT_TEMPLATES) if task.kind == "classification" else None}
 
 
 def newest_complete_trainer_checkpoint(trainer_dir: Path) -> str | None:

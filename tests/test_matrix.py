@@ -162,3 +162,12 @@ def test_plot_heatmap(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     path = plot_matrix_heatmap(_matrix(n_rows=2), tmp_path / "plots" / "matrix.png")
     assert path.is_file() and path.stat().st_size > 1000
+
+
+def test_heatmap_colour_scale_is_fixed_at_0_to_100() -> None:
+    pytest.importorskip("matplotlib")
+    from hf_ccl.evaluation.plots import matrix_heatmap_figure
+
+    for n_rows in (1, 2):  # other values, other revisions: the same scale
+        (image,) = matrix_heatmap_figure(_matrix(n_rows=n_rows)).axes[0].images
+        assert image.get_clim() == (0.0, 100.0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -28,7 +29,17 @@ def _rows_and_labels(matrix: ResultsMatrix) -> tuple[np.ndarray, list[str]]:
 def plot_matrix_heatmap(
     matrix: ResultsMatrix, path: str | os.PathLike[str], title: str | None = None
 ) -> Path:
-    """Save a heatmap of the headline matrix (rows: initial, after each task; columns: tasks) to `path`."""
+    """Save a heatmap of the headline matrix (rows: initial, after each task; columns: tasks) to `path`, on a fixed
+    0-100 colour scale (the same colours across revisions and runs)."""
+    figure = matrix_heatmap_figure(matrix, title)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    return path
+
+
+def matrix_heatmap_figure(matrix: ResultsMatrix, title: str | None = None) -> Any:
+    """The `matplotlib.figure.Figure` that `plot_matrix_heatmap` saves."""
     from matplotlib.figure import Figure  # lazy: matplotlib is optional
 
     data, labels = _rows_and_labels(matrix)
@@ -36,19 +47,15 @@ def plot_matrix_heatmap(
     height = 1.4 + 0.55 * max(len(labels), 1)
     figure = Figure(figsize=(width, height), layout="constrained")
     axes = figure.add_subplot()
-    image = axes.imshow(np.ma.masked_invalid(data), cmap="viridis", aspect="auto")
+    # A fixed 0-100 scale: the same score has the same colour in every revision and every run.
+    image = axes.imshow(np.ma.masked_invalid(data), cmap="viridis", aspect="auto", vmin=0.0, vmax=100.0)
     axes.set_xticks(range(matrix.num_tasks), matrix.task_names, rotation=45, ha="right")
     axes.set_yticks(range(len(labels)), labels)
     axes.set_xlabel("evaluated on")
-    finite = data[np.isfinite(data)]
-    middle = float(finite.mean()) if finite.size else 0.0
     for (i, j), value in np.ndenumerate(data):
         if not math.isnan(value):
-            colour = "black" if value > middle else "white"
+            colour = "black" if value > 60.0 else "white"  # viridis is light above about 60 of 100
             axes.text(j, i, f"{value:.1f}", ha="center", va="center", color=colour, fontsize=8)
     figure.colorbar(image, ax=axes, label="headline metric (%)")
     axes.set_title(title or "results matrix")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    return path
+    return figure
