@@ -444,6 +444,10 @@ class ContinualLearner:
         found = latest_task_checkpoint(self.output_dir)
         if found is None and self.args.hub_model_id is not None:
             found = self._download_latest_from_hub()
+        if found is None and request is True and broadcast_object(
+                newest_complete_trainer_checkpoint(self.output_dir / "trainer" / "task-0") if is_main_process() else None):
+            logger.info("No task checkpoint yet in %s: task 0 resumes from its Trainer checkpoint", self.output_dir)
+            return None
         if found is None and request is True:
             where = str(self.output_dir) + (f" or on the Hub at {self.args.hub_model_id}" if self.args.hub_model_id
                                             else "")

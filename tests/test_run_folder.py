@@ -41,6 +41,15 @@ def finished(tmp_path_factory) -> Path:
     return output_dir
 
 
+@pytest.fixture(scope="module")
+def kept(tmp_path_factory) -> Path:
+    """The same run, keeping every task's mid-task Trainer checkpoints."""
+    output_dir = tmp_path_factory.mktemp("kept") / "run"
+    assert train(output_dir, "training.save_strategy=steps", "training.save_steps=1",
+                 "keep_trainer_checkpoints=true") == 0
+    return output_dir
+
+
 @pytest.fixture
 def stopped(finished, tmp_path) -> Path:
     """The finished run as if stopped after task 2: task-3/ and task-4/ removed."""
@@ -61,11 +70,8 @@ def test_every_task_checkpoint_has_a_manifest_that_verifies(finished):
         verify_checkpoint(folder)
 
 
-def test_finished_tasks_trainer_checkpoints_are_removed(finished, tmp_path):
+def test_finished_tasks_trainer_checkpoints_are_removed(finished, kept):
     assert not (finished / "trainer").exists() or not any((finished / "trainer").iterdir())
-    kept = tmp_path / "kept"
-    assert train(kept, "training.save_strategy=steps", "training.save_steps=1", "keep_trainer_checkpoints=true",
-                 "stream_args.max_train_per_task=16") == 0
     for index in range(5):
         checkpoints = sorted((kept / "trainer" / f"task-{index}").glob("checkpoint-*"))
         assert checkpoints and all((c / MANIFEST).exists() for c in checkpoints)
@@ -189,22 +195,27 @@ def test_settings_diff_flattens_and_allows_by_pattern():
 
 
 # ----- Trainer checkpoints and the run's own files ------------------------------------------------------------------
-def test_an_incomplete_trainer_checkpoint_is_skipped(finished, tmp_path, caplog):
+def test_an_incomplete_trainer_checkpoint_is_skipped(finished, kept, tmp_path, caplog):
     """Killed during task 3's second Trainer checkpoint: the first one is used, the run ends as the uninterrupted one."""
     output_dir = tmp_path / "run"
     shutil.copytree(finished, output_dir)
     for index in (3, 4):
         shutil.rmtree(output_dir / f"task-{index}")
-    source = tmp_path / "kept"
-    assert train(source, "training.save_strategy=steps", "training.save_steps=1",
-                 "keep_trainer_checkpoints=true") == 0
-    shutil.copytree(source / "trainer" / "task-3", output_dir / "trainer" / "task-3")
+    shutil.copytree(kept / "trainer" / "task-3", output_dir / "trainer" / "task-3")
     cut = output_dir / "trainer" / "task-3" / "checkpoint-2"
     (cut / MANIFEST).unlink()
     (cut / "optimizer.pt").unlink()
     assert train(output_dir, "resume_from_checkpoint=true", "training.save_strategy=steps",
                  "training.save_steps=1") == 0
     assert "checkpoint-2 is incomplete or damaged" in caplog.text
+    assert rows(output_dir) == rows(finished)
+
+
+def test_killed_before_the_first_task_checkpoint_resumes_task_0_mid_task(finished, kept, tmp_path):
+    output_dir = tmp_path / "run"
+    shutil.copytree(kept / "trainer" / "task-0" / "checkpoint-1", output_dir / "trainer" / "task-0" / "checkpoint-1")
+    assert train(output_dir, "resume_from_checkpoint=true", "training.save_strategy=steps",
+                 "training.save_steps=1") == 0
     assert rows(output_dir) == rows(finished)
 
 
