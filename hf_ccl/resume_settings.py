@@ -6,8 +6,9 @@ options, the compute rules, and the stream (task names, sources and a signature 
 any difference not named in `resume_allow_changes` (dotted keys, `fnmatch` patterns allowed); allowed ones are
 recorded as `resume_changes` in the next checkpoints (and shown in the model card).
 
-Not compared, because they cannot change what is learned or measured: progress bars, evaluation batch size, Hub
-settings, logging and reporting options, dataloader workers, where and how often Trainer checkpoints are saved.
+Not compared, because they cannot change what is learned or measured after the resume point: progress bars, the
+evaluation batch size, `evaluate_initial` (the initial row is already recorded), Hub settings, logging and reporting
+options, dataloader workers, where and how often Trainer checkpoints are saved.
 """
 
 from __future__ import annotations
@@ -52,7 +53,6 @@ def run_settings(args: Any, stream: TaskStream, methods: Iterable[Any]) -> dict[
         "samples_per_task": args.samples_per_task,
         "warmup": args.warmup,
         "max_length": args.max_length,
-        "evaluate_initial": args.evaluate_initial,
         "spatial_disorder_task": args.spatial_disorder_task,
         "stream": {
             "name": stream.name,

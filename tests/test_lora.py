@@ -230,7 +230,7 @@ def test_resuming_mid_task_continues_the_adapter(tmp_path, clip_tokenizer):
 
     def fit(resume):
         args = ContinualArguments(output_dir=str(tmp_path), training=training, progress=False, eval_batch_size=64,
-                                  resume_from_checkpoint=resume)
+                                  resume_from_checkpoint=resume, keep_trainer_checkpoints=True)
         methods = build_methods(["lora"], {"lora": {"r": 2}})
         learner = ContinualLearner(tiny_clip(), stream, methods, load_image_processor(32), clip_tokenizer, args)
         learner.fit()

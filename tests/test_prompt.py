@@ -215,7 +215,7 @@ def test_resuming_mid_task_restores_the_prompt_being_trained(tmp_path, clip_toke
 
     def fit(resume):
         args = ContinualArguments(output_dir=str(tmp_path), training=training, progress=False, eval_batch_size=64,
-                                  resume_from_checkpoint=resume)
+                                  resume_from_checkpoint=resume, keep_trainer_checkpoints=True)
         methods = build_methods(["prompt"], {"prompt": {"n_ctx": 2}})
         ContinualLearner(tiny_clip(), stream, methods, load_image_processor(32), clip_tokenizer, args).fit()
         return methods[0]

@@ -75,7 +75,8 @@ def run_stream(output_dir: Path, resume: bool = False, callbacks: tuple = ()) ->
     stream = build_stream("digits", max_train_per_task=32, max_eval_per_task=16)
     stream.tasks = stream.tasks[:3]
     args = ContinualArguments(output_dir=str(output_dir), training=dict(TRAINING), first_task_epochs=2,
-                              progress=False, seed=2, resume_from_checkpoint=True if resume else None)
+                              progress=False, seed=2, resume_from_checkpoint=True if resume else None,
+                              keep_trainer_checkpoints=True)
     learner = ContinualLearner(tiny_clip(seed=2), stream, build_methods(["finetune"]), load_image_processor(32),
                                load_tokenizer(), args, callbacks=list(callbacks))
     learner.fit()
