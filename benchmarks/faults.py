@@ -171,7 +171,7 @@ BAD_INPUTS: list[tuple[str, list[str], str]] = [
     ("unknown method", ["methods=[nope]"], "nope"),
     ("method option of the wrong type", ["method_args.er.buffer_size=lots"], "buffer_size"),
     ("unknown method option", ["method_args.er.bufer_size=100"], "bufer_size"),
-    ("mistyped local model path", ["model.pretrained=./no/such/model"], "no/such/model"),
+    ("mistyped local model path", ["model.pretrained=./no/such/model", "model.config={}"], "no/such/model"),
     ("unknown stream", ["stream=nope"], "nope"),
     ("negative subsample", ["stream_args.max_train_per_task=-3"], "max_train_per_task"),
     ("negative seed", ["seed=-1"], "seed"),

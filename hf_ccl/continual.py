@@ -44,7 +44,7 @@ from transformers.trainer_utils import load_sharded_checkpoint
 from . import __version__
 from .accumulation import REENCODE_PASSES
 from .cards import write_model_card
-from .checkpoint_files import checkpoint_is_complete, verify_checkpoint, write_manifest
+from .checkpoint_files import CheckpointError, checkpoint_is_complete, verify_checkpoint, write_manifest
 from .compute import TaskCompute, forward_macs_per_sample, load_compute, save_compute, task_compute
 from .data.collate import CLIPCollator
 from .data.streaming import column_names, is_empty, is_streaming, whole_batches
@@ -477,7 +477,11 @@ class ContinualLearner:
         state, the results so far. Returns the index of the task it was written after. Every problem is an error
         naming the file, never a silent fresh start."""
         folder = Path(folder)
-        verify_checkpoint(folder)
+        try:
+            verify_checkpoint(folder)
+        except CheckpointError as error:
+            raise CheckpointError(f"{error}. Remove {folder} to resume from the task before it, or restore the "
+                                  "file") from error
         state = _read_json(folder / CHECKPOINT_STATE)
         index = int(state["task_index"])
         names = self.stream.task_names
@@ -712,10 +716,11 @@ class ContinualLearner:
         changes = settings_diff(settings, now)
         refused = [change for change in changes if not allowed(change[0], self.args.resume_allow_changes)]
         if refused:
+            described, keys = describe_diff(refused)
             raise ConfigError(
-                f"{source} was written with other settings than this run's (saved -> now): {describe_diff(refused)}. "
-                "Resume with the same settings, or allow these changes with resume_allow_changes="
-                f"[{', '.join(key for key, _, _ in refused)}]", "resume_from_checkpoint")
+                f"{source} was written with other settings than this run's (saved -> now): {described}. Resume with "
+                f"the same settings, or allow these changes with resume_allow_changes=[{', '.join(keys)}]",
+                "resume_from_checkpoint")
         self.resume_changes = list(saved.get("resume_changes", []))
         recorded = {(change["key"], json.dumps(change["now"])) for change in self.resume_changes}
         for key, old, new in changes:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -103,5 +104,26 @@ def allowed(key: str, patterns: Iterable[str]) -> bool:
     return any(fnmatch.fnmatchcase(prefix, pattern) for pattern in patterns for prefix in prefixes)
 
 
-def describe_diff(changes: list[tuple[str, Any, Any]]) -> str:
-    return "\n".join(f"  {key}: {saved!r} -> {now!r}" for key, saved, now in changes)
+_DATA_KEY = re.compile(r"stream\.tasks\.(\d+)\.(train|eval)\.(rows|image_ids|streaming)$")
+
+
+def describe_diff(changes: list[tuple[str, Any, Any]]) -> tuple[str, list[str]]:
+    """One `key: saved -> now` entry per changed setting, the changed data of the stream's tasks summed up in one
+    entry; and the keys to give `resume_allow_changes` to accept them all."""
+    entries, keys, data_tasks, rows = [], [], [], []
+    for key, saved, now in changes:
+        match = _DATA_KEY.match(key)
+        if match is None:
+            entries.append(f"{key}: {saved!r} -> {now!r}")
+            keys.append(key)
+            continue
+        data_tasks.append(int(match.group(1)))
+        if match.group(3) == "rows":
+            rows.append(f"task {match.group(1)} {match.group(2)} rows {saved} -> {now}")
+    if data_tasks:
+        tasks = sorted(set(data_tasks))
+        detail = f" ({', '.join(rows[:3])}{', ...' if len(rows) > 3 else ''})" if rows else ""
+        entries.append(f"stream.tasks: the data of task(s) {tasks} differs{detail}; the stream's options "
+                       "(max_train_per_task, max_eval_per_task, the seed that draws them) or its data files changed")
+        keys.append("stream.tasks")
+    return "; ".join(entries), keys

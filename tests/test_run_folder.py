@@ -164,7 +164,7 @@ def test_a_second_cli_run_on_a_busy_folder_fails_naming_the_first(tmp_path, caps
     ("seed=1", "seed: 0 -> 1"),
     ("training.learning_rate=0.002", "training.learning_rate: 0.001 -> 0.002"),
     ("method_args.er.buffer_size=7", "method_args.er.buffer_size: "),
-    ("stream_args.max_train_per_task=24", "stream.tasks.0.train.rows: 32 -> 24"),
+    ("stream_args.max_train_per_task=24", "the data of task(s) [0, 1, 2, 3, 4] differs (task 0 train rows 32 -> 24"),
 ])
 def test_a_resume_with_other_settings_is_refused_with_a_diff(stopped, capsys, override, key):
     assert train(stopped, "resume_from_checkpoint=true", override) == 1
