@@ -126,9 +126,14 @@ class PushFailedError(OSError):
         super().__init__(
             f"{len(report.failed)} of {len(report.records)} task revisions were not pushed to {report.repo_id} "
             f"({missing}); the local checkpoints in {run_dir} are complete. Push them with: "
-            f"hf-ccl push {run_dir} --repo {report.repo_id}. {report.summary()}"
+            f"hf-ccl push {run_dir} --repo {report.repo_id}. First error: {_shorten(report.failed[0].error)}"
         )
         self.report = report
+
+
+def _shorten(text: str | None, limit: int = 200) -> str:
+    text = " ".join((text or "unknown").split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def push_run(run_dir: str | Path, repo_id: str, **options: Any) -> PushReport:
