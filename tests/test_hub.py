@@ -260,7 +260,8 @@ def test_a_cli_run_whose_pushes_fail_exits_1_after_every_checkpoint_then_hf_ccl_
     assert code == 1
     assert all((run_dir / f"task-{k}" / "checkpoint_manifest.json").exists() for k in range(5))
     assert "5 of 5 task revisions were not pushed" in captured.err and f"hf-ccl push {run_dir}" in captured.err
-    assert captured.out.count("Hub pushes to") == 0 and captured.err.count("Hub pushes to") == 1  # reported once
+    assert "Hub pushes to" not in captured.out and captured.err.count("hf-ccl: error:") == 1  # reported once
+    assert "First error: HfHubHTTPError" in captured.err
     local_hub.faults = FaultPlan()
     assert main(["push", str(run_dir), "--repo", REPO]) == 0
     assert "5/5 task revisions pushed" in capsys.readouterr().out
