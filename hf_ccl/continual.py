@@ -696,6 +696,12 @@ class ContinualLearner:
         folder = target / "last-checkpoint"
         if not (folder / MID_TASK_STATE).is_dir():
             return None
+        try:  # the manifest the Trainer pushed with it (`ContinualTrainer._push_from_checkpoint`)
+            verify_checkpoint(folder, legacy_required=("trainer_state.json", f"{MID_TASK_STATE}/task.json"))
+        except CheckpointError as error:
+            logger.warning("The Trainer checkpoint on the Hub is damaged (%s): task %d starts from its beginning",
+                           error, task_index)
+            return None
         task = _read_json(folder / MID_TASK_STATE / "task.json").get("task_index")
         return str(folder) if task == task_index else None
 

@@ -291,6 +291,14 @@ class ContinualTrainer(Trainer):
         if is_main_process() and folder.is_dir():
             write_manifest(folder)
 
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """The Trainer's push of a mid-task checkpoint (`training.push_to_hub`), with its manifest written first so
+        that a download can be verified (the full manifest, with every process's files, follows in
+        `_save_checkpoint`)."""
+        if is_main_process():
+            write_manifest(checkpoint_folder)
+        super()._push_from_checkpoint(checkpoint_folder)
+
     def _load_rng_state(self, checkpoint: str | None) -> None:
         super()._load_rng_state(checkpoint)
         if checkpoint is None:

@@ -222,7 +222,8 @@ def test_mid_task_resume_from_the_trainer_checkpoint_on_the_hub(local_hub, tmp_p
     with pytest.raises(KeyboardInterrupt):
         run(False, [Crash([], task=1, step=3)])
     deadline = time.monotonic() + 30  # the Trainer pushes checkpoints in the background (run_as_future)
-    while "last-checkpoint/hf_ccl/task.json" not in set(HfApi().list_repo_files(REPO, revision="training")):
+    while not {"last-checkpoint/hf_ccl/task.json", "last-checkpoint/checkpoint_manifest.json"} <= set(
+            HfApi().list_repo_files(REPO, revision="training")):  # pushed with its manifest, to be verified
         assert time.monotonic() < deadline, "the Trainer never pushed its checkpoint"
         time.sleep(0.2)
     shutil.rmtree(run_dir)
