@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 CONFIG ?= recipes/configs/digits.yaml
+# The demo run replaces its previous run folder; any ARGS of yours replace this (e.g. ARGS=resume_from_checkpoint=true).
+ARGS ?= overwrite_output_dir=true
 
 .PHONY: install run test test-all lint bench clean
 
