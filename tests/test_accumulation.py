@@ -64,7 +64,7 @@ def test_accumulated_gradient_equals_the_whole_batch_gradient():
     image = model.image(batch["x"]) * torch.cat(masks)
     reference = model.loss(image, model.text(batch["y"]))
     reference.backward()
-    assert float(loss) == pytest.approx(float(reference.detach()), rel=1e-6)
+    assert float(loss) == pytest.approx(float(reference.detach()), rel=1e-5)
     for name, param in model.named_parameters():
         torch.testing.assert_close(accumulated[name], param.grad, rtol=1e-5, atol=1e-7, msg=name)
     assert accumulated["logit_scale"].abs() > 0 and accumulated["image.weight"].abs().sum() > 0
