@@ -18,14 +18,19 @@ from .evaluator import evaluate_stream, evaluate_task
 from .matrix import ResultsMatrix, ResultsRow
 from .plots import plot_matrix_heatmap
 from .retrieval import (
+    RankCounts,
     captions_to_text_to_image,
-    image_to_text_ranks,
+    hit_rate,
+    image_to_text_rank_counts,
     recall_at_k,
-    text_to_image_ranks,
+    recall_from_rank_counts,
+    text_to_image_rank_counts,
+    unique_texts,
 )
 from .zeroshot import zero_shot_accuracy, zero_shot_classifier
 
 __all__ = [
+    "RankCounts",
     "ResultsMatrix",
     "ResultsRow",
     "average_incremental",
@@ -38,16 +43,19 @@ __all__ = [
     "final_average",
     "forgetting",
     "forward_transfer",
-    "image_to_text_ranks",
+    "hit_rate",
+    "image_to_text_rank_counts",
     "plot_matrix_heatmap",
     "recall_at_k",
+    "recall_from_rank_counts",
     "summarize",
-    "text_to_image_ranks",
+    "text_to_image_rank_counts",
     "tic_backward",
     "tic_forward",
     "tic_in_domain",
     "tic_relative_backward",
     "tic_relative_forward",
+    "unique_texts",
     "zero_shot_accuracy",
     "zero_shot_classifier",
 ]

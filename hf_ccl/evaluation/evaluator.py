@@ -14,7 +14,7 @@ from datasets import Dataset
 
 from ..data.task import Task
 from .encode import encode_images, encode_texts
-from .retrieval import captions_to_text_to_image, recall_at_k
+from .retrieval import captions_to_text_to_image, recall_at_k, unique_texts
 from .zeroshot import DEFAULT_TEMPLATES, zero_shot_accuracy, zero_shot_classifier
 
 
@@ -43,9 +43,11 @@ def _evaluate_retrieval(
     chunk_size: int,
 ) -> dict[str, float]:
     texts, text_to_image = captions_to_text_to_image(list(iter_column(task.eval, "texts", batch_size)))
+    distinct, text_ids = unique_texts(texts)  # a caption on several images is one text, a positive of each
     image_embeds = _encode_eval_images(model, task, image_processor, batch_size)
-    text_embeds = encode_texts(model, tokenizer, texts, batch_size=batch_size, max_length=max_length)
-    return recall_at_k(image_embeds, text_embeds, text_to_image, chunk_size=chunk_size)
+    text_embeds = encode_texts(model, tokenizer, distinct, batch_size=batch_size, max_length=max_length)
+    return recall_at_k(image_embeds, text_embeds[text_ids.to(text_embeds.device)], text_to_image,
+                       chunk_size=chunk_size, text_ids=text_ids)
 
 
 def _evaluate_classification(
@@ -82,7 +84,8 @@ def evaluate_task(
 ) -> dict[str, float]:
     """All metrics of `model` on `task.eval`, always including `task.headline_metric`.
 
-    Retrieval tasks: `recall_at_k` over every eval image and all of its captions (`i2t_R@K`, `t2i_R@K`, `R_mean`).
+    Retrieval tasks: `recall_at_k` over every eval image and all of its captions (`i2t_R@K`, `t2i_R@K`, `R_mean`);
+    identical captions are one text, a positive of every image they describe, and ties count in expectation.
     Classification tasks: zero-shot accuracy among `task.class_names` with the `task.eval_templates` ensemble
     (default `["a photo of a {label}."]`): `accuracy`, `top5_accuracy` when there are more than 5 classes.
     The model's training mode is restored afterwards.

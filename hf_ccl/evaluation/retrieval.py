@@ -7,23 +7,59 @@ Definitions (specs/cllclip.md section 7, the usual Flickr/COCO protocol):
 - `R_mean` is the mean of the six recalls (i2t and t2i at K = 1, 5, 10), all in percent.
 
 Memory grows linearly with the eval set: the similarity matrix is never materialised in full. Each chunk of
-`chunk_size` queries is scored against every candidate (a `chunk_size x N` block), and the rank of the best
-positive is found by counting the candidates that score *strictly higher* than it, with no sort.
+`chunk_size` queries is scored against every candidate (a `chunk_size x N` block, computed in float64 and rounded to
+float32 so that identical candidates tie whatever the block's shape: `similarity_scores`); for each query the block gives
+`RankCounts`: the candidates scoring strictly higher than its best positive, and the negatives and positives scoring
+exactly as high, with no sort.
 
-Ties are resolved in the query's favour: a negative scoring exactly as high as the best positive does not push it
-down. (A full sort would place tied items in an arbitrary order; counting strict wins gives the same ranks for the
-same scores whatever the chunk size or device.)
+**Ties** are resolved in expectation: a query's recall at K is the probability that a positive lands in the top K
+when tied scores are put in a uniformly random order, the mean of what a sort-based protocol gives over its
+arbitrary tie orders (`hit_rate`). Without ties this is the usual 0/1 hit. A model whose embeddings collapse (every
+score equal) scores chance, not 100%, and the result never depends on the chunk size or the device.
+
+**Identical captions** (the same string on several images, frequent in translated captions) are one text: pass
+`text_ids` (`unique_texts`), and that text is a positive of every image it describes, both ways, and one candidate
+for image->text. Without `text_ids` every caption is its own text (the protocol above, exactly).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 DEFAULT_KS = (1, 5, 10)
 EXACT_FLOAT_COUNT = 2**24  # float32 counts 0/1 entries exactly below this
+SCORE_COLUMN_BLOCK = 4096  # candidates scored in float64 at a time
+
+
+class RankCounts(NamedTuple):
+    """Per query, where its best-scoring positive stands among all candidates."""
+
+    above: torch.Tensor  # candidates scoring strictly higher than the best positive (all negatives)
+    tied_negatives: torch.Tensor  # negatives scoring exactly as high as it
+    tied_positives: torch.Tensor  # positives scoring exactly as high as it (itself included: >= 1)
+
+
+def hit_rate(counts: RankCounts, k: int) -> torch.Tensor:
+    """Per query, the probability (float64) that a positive is among the top `k` when ties are ordered at random.
+
+    The tied block of n negatives and p positives starts at place `above`; with m = k - above places of it in the
+    top k, the query misses iff those m places all hold negatives: P(miss) = prod_{i<m} (n - i) / (n + p - i)
+    (0 once m > n). Without ties (n = 0) this is the 0/1 hit `above < k`.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    room = k - counts.above.long()
+    negatives = counts.tied_negatives.double()
+    total = negatives + counts.tied_positives.double()
+    miss = torch.ones_like(negatives)
+    for i in range(min(k, int(room.max().clamp(min=0)) if room.numel() else 0)):
+        factor = (negatives - i).clamp(min=0) / (total - i).clamp(min=1)
+        miss = torch.where(room > i, miss * factor, miss)
+    return torch.where(room > 0, 1.0 - miss, torch.zeros_like(miss))
 
 
 def _prepare(embeds: torch.Tensor, name: str) -> torch.Tensor:
@@ -63,11 +99,40 @@ def _check_inputs(
     return text_to_image
 
 
+def _check_text_ids(text_ids: torch.Tensor | Sequence[int] | None, n_texts: int, device: torch.device) -> torch.Tensor:
+    """`text_ids` as a long tensor (default: every caption its own text)."""
+    if text_ids is None:
+        return torch.arange(n_texts, device=device)
+    text_ids = torch.as_tensor(text_ids, dtype=torch.long, device=device).reshape(-1)
+    if text_ids.numel() != n_texts:
+        raise ValueError(f"text_ids has {text_ids.numel()} entries for {n_texts} texts")
+    return text_ids
+
+
+def similarity_scores(
+    queries: torch.Tensor, candidates: torch.Tensor, column_block: int = SCORE_COLUMN_BLOCK
+) -> torch.Tensor:
+    """`queries @ candidates.T` in float32, computed in float64 and rounded once.
+
+    A float32 matmul's rounding depends on the kernel, and so on the shape of the block and the device: two identical
+    candidates can score a few ulps apart in one block and equal in another, which would make ties (and the recall)
+    depend on `chunk_size`. In float64 the products of float32 inputs are exact and the sums far below float32's
+    resolution, so identical candidates score identically and every block gives the same float32 scores. The float64
+    work is done `column_block` candidates at a time, so it adds at most `queries x column_block` doubles of memory.
+    """
+    queries = queries.double()
+    scores = torch.empty(queries.shape[0], candidates.shape[0], dtype=torch.float32, device=queries.device)
+    for start in range(0, candidates.shape[0], column_block):
+        block = candidates[start : start + column_block].double()
+        scores[:, start : start + block.shape[0]] = queries @ block.T
+    return scores
+
+
 def _count_greater(sims: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
     """Per row, the number of entries strictly greater than `threshold` (`[rows, 1]`); overwrites `sims`.
 
     The comparison is written into `sims` itself (as 1.0 / 0.0) and summed in float32, which is exact for fewer than
-    2**24 columns; this avoids a boolean block and the int64 copy that summing a boolean tensor makes.
+    2**24 columns; this avoids a float copy and the int64 copy that summing a boolean tensor makes.
     """
     if sims.shape[1] >= EXACT_FLOAT_COUNT:
         return (sims > threshold).sum(dim=1)
@@ -75,58 +140,105 @@ def _count_greater(sims: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
     return sims.sum(dim=1).long()
 
 
-def image_to_text_ranks(
-    image_embeds: torch.Tensor, text_embeds: torch.Tensor, text_to_image: torch.Tensor, chunk_size: int = 1024
-) -> torch.Tensor:
-    """0-based rank of each image's best-scoring caption among all texts (ties in the image's favour).
-
-    Embeddings are L2-normalised here. Peak extra memory: normalised copies of the inputs and one
-    `chunk_size x N_txt` float block. The best positive of each image is read from that same block (so rounding can
-    never make it lose to itself), by gathering the chunk's own captions, found with a sort of `text_to_image`.
-    """
-    images = _prepare(image_embeds, "image_embeds")
-    texts = _prepare(text_embeds, "text_embeds").to(images.device)
-    text_to_image = _check_inputs(images, texts, text_to_image, chunk_size)
-    order = torch.argsort(text_to_image, stable=True)  # caption indices grouped by image
-    owners_sorted = text_to_image[order]
-    ranks = []
-    for start in range(0, images.shape[0], chunk_size):
-        sims = images[start : start + chunk_size] @ texts.T  # chunk x N_txt
+def _rank_counts(
+    queries: torch.Tensor,
+    candidates: torch.Tensor,
+    positive_query: torch.Tensor,
+    positive_candidate: torch.Tensor,
+    chunk_size: int,
+) -> RankCounts:
+    """`RankCounts` of every query against every candidate, given the (query, candidate) pairs that are positive
+    (no pair twice; every query has one). Peak extra memory: one `chunk_size x N_candidates` float32 block and a
+    boolean one, and a `chunk_size x SCORE_COLUMN_BLOCK` float64 one while it is scored. Each query's positives are read from its own row of the block, so rounding can never make the best
+    positive lose to itself."""
+    order = torch.argsort(positive_query, stable=True)  # positive pairs grouped by query
+    query_sorted = positive_query[order]
+    above, tied_negatives, tied_positives = [], [], []
+    for start in range(0, queries.shape[0], chunk_size):
+        sims = similarity_scores(queries[start : start + chunk_size], candidates)  # chunk x N_candidates
         end = start + sims.shape[0]
-        bounds = torch.searchsorted(owners_sorted, torch.tensor([start, end], device=owners_sorted.device))
-        own_texts = order[int(bounds[0]) : int(bounds[1])]
-        rows = text_to_image[own_texts] - start
+        bounds = torch.searchsorted(query_sorted, torch.tensor([start, end], device=query_sorted.device))
+        pairs = order[int(bounds[0]) : int(bounds[1])]
+        rows, columns = positive_query[pairs] - start, positive_candidate[pairs]
+        positive_scores = sims[rows, columns]
         best = torch.full((sims.shape[0],), float("-inf"), device=sims.device)
-        best = best.scatter_reduce(0, rows, sims[rows, own_texts], reduce="amax")
-        ranks.append(_count_greater(sims, best.unsqueeze(1)))
+        best = best.scatter_reduce(0, rows, positive_scores, reduce="amax").unsqueeze(1)
+        at_best = torch.zeros(sims.shape[0], dtype=torch.long, device=sims.device)
+        at_best = at_best.scatter_add(0, rows, (positive_scores == best[rows, 0]).long())
+        at_or_above = (sims >= best).sum(dim=1)
+        above.append(_count_greater(sims, best))
+        tied_positives.append(at_best)
+        tied_negatives.append(at_or_above - above[-1] - at_best)
         del sims  # free the block before the next one is allocated
-    return torch.cat(ranks)
+    return RankCounts(torch.cat(above), torch.cat(tied_negatives), torch.cat(tied_positives))
 
 
-def text_to_image_ranks(
-    image_embeds: torch.Tensor, text_embeds: torch.Tensor, text_to_image: torch.Tensor, chunk_size: int = 1024
-) -> torch.Tensor:
-    """0-based rank of each caption's own image among all images (ties in the caption's favour).
+def _unique_pairs(first: torch.Tensor, second: torch.Tensor, n_second: int) -> tuple[torch.Tensor, torch.Tensor]:
+    keys = torch.unique(first * n_second + second)
+    return keys // n_second, keys % n_second
 
-    Embeddings are L2-normalised here. Peak extra memory: normalised copies of the inputs and one
-    `chunk_size x N_img` float block.
-    """
+
+def _retrieval_inputs(
+    image_embeds: torch.Tensor,
+    text_embeds: torch.Tensor,
+    text_to_image: torch.Tensor,
+    chunk_size: int,
+    text_ids: torch.Tensor | Sequence[int] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checked, normalised images; one row per distinct text (its first caption's); each caption's distinct text;
+    and the caption -> image map."""
     images = _prepare(image_embeds, "image_embeds")
     texts = _prepare(text_embeds, "text_embeds").to(images.device)
     text_to_image = _check_inputs(images, texts, text_to_image, chunk_size)
-    ranks = []
-    for start in range(0, texts.shape[0], chunk_size):
-        sims = texts[start : start + chunk_size] @ images.T  # chunk x N_img
-        own = text_to_image[start : start + sims.shape[0]].unsqueeze(1)
-        positive_score = sims.gather(1, own)
-        ranks.append(_count_greater(sims, positive_score))
-        del sims  # free the block before the next one is allocated
-    return torch.cat(ranks)
+    ids = _check_text_ids(text_ids, texts.shape[0], text_to_image.device)
+    _, inverse = torch.unique(ids, return_inverse=True)  # caption -> distinct text
+    positions = torch.arange(inverse.numel(), device=inverse.device)
+    first = torch.full((int(inverse.max()) + 1,), inverse.numel(), device=inverse.device)
+    first = first.scatter_reduce(0, inverse, positions, reduce="amin")  # distinct text -> its first caption
+    return images, texts[first], inverse, text_to_image
 
 
-def recall_from_ranks(ranks: torch.Tensor, ks: Sequence[int] = DEFAULT_KS) -> dict[int, float]:
-    """Recall@K in percent from 0-based ranks: the share of queries with rank < K."""
-    return {k: 100.0 * (ranks < k).float().mean().item() for k in ks}
+def image_to_text_rank_counts(
+    image_embeds: torch.Tensor,
+    text_embeds: torch.Tensor,
+    text_to_image: torch.Tensor,
+    chunk_size: int = 1024,
+    text_ids: torch.Tensor | Sequence[int] | None = None,
+) -> RankCounts:
+    """Per image, where its best-scoring caption stands among all (distinct) texts.
+
+    Embeddings are L2-normalised here. Peak extra memory: normalised copies of the inputs and one
+    `chunk_size x N_txt` block.
+    """
+    images, texts, inverse, owners = _retrieval_inputs(image_embeds, text_embeds, text_to_image, chunk_size,
+                                                          text_ids)
+    image_rows, text_columns = _unique_pairs(owners, inverse, texts.shape[0])
+    return _rank_counts(images, texts, image_rows, text_columns, chunk_size)
+
+
+def text_to_image_rank_counts(
+    image_embeds: torch.Tensor,
+    text_embeds: torch.Tensor,
+    text_to_image: torch.Tensor,
+    chunk_size: int = 1024,
+    text_ids: torch.Tensor | Sequence[int] | None = None,
+) -> RankCounts:
+    """Per caption, where the best-scoring image it describes stands among all images (a caption shared by several
+    images, with `text_ids`, describes each of them).
+
+    Embeddings are L2-normalised here. Peak extra memory: normalised copies of the inputs and one
+    `chunk_size x N_img` block.
+    """
+    images, texts, inverse, owners = _retrieval_inputs(image_embeds, text_embeds, text_to_image, chunk_size,
+                                                          text_ids)
+    text_rows, image_columns = _unique_pairs(inverse, owners, images.shape[0])
+    counts = _rank_counts(texts, images, text_rows, image_columns, chunk_size)
+    return RankCounts(*(values[inverse] for values in counts))  # back to one row per caption
+
+
+def recall_from_rank_counts(counts: RankCounts, ks: Sequence[int] = DEFAULT_KS) -> dict[int, float]:
+    """Recall@K in percent: the mean over queries of `hit_rate` (ties ordered at random, in expectation)."""
+    return {k: 100.0 * hit_rate(counts, k).mean().item() for k in ks}
 
 
 def recall_at_k(
@@ -135,6 +247,7 @@ def recall_at_k(
     text_to_image: torch.Tensor,
     ks: Sequence[int] = DEFAULT_KS,
     chunk_size: int = 1024,
+    text_ids: torch.Tensor | Sequence[int] | None = None,
 ) -> dict[str, float]:
     """Image->text and text->image Recall@K (percent) and their mean `R_mean`.
 
@@ -144,17 +257,28 @@ def recall_at_k(
         text_to_image: `[N_txt]` index of each caption's image; every image needs at least one caption.
         ks: the cut-offs K.
         chunk_size: queries scored per block; only changes memory and speed, never the result.
+        text_ids: `[N_txt]`, equal for captions that are the same text (`unique_texts`): one candidate, a positive of
+            each image it describes. Default: every caption is its own text.
 
-    Returns keys `i2t_R@K` and `t2i_R@K` for each K, and `R_mean`, the mean of all of them.
+    Returns keys `i2t_R@K` and `t2i_R@K` for each K, and `R_mean`, the mean of all of them. Ties count in
+    expectation (`hit_rate`).
     """
     if not ks or any(int(k) < 1 for k in ks):
         raise ValueError(f"ks must be positive integers, got {ks}")
-    i2t = recall_from_ranks(image_to_text_ranks(image_embeds, text_embeds, text_to_image, chunk_size), ks)
-    t2i = recall_from_ranks(text_to_image_ranks(image_embeds, text_embeds, text_to_image, chunk_size), ks)
+    args = (image_embeds, text_embeds, text_to_image, chunk_size, text_ids)
+    i2t = recall_from_rank_counts(image_to_text_rank_counts(*args), ks)
+    t2i = recall_from_rank_counts(text_to_image_rank_counts(*args), ks)
     metrics = {f"i2t_R@{k}": value for k, value in i2t.items()}
     metrics.update({f"t2i_R@{k}": value for k, value in t2i.items()})
     metrics["R_mean"] = sum(metrics.values()) / len(metrics)
     return metrics
+
+
+def unique_texts(texts: Sequence[str]) -> tuple[list[str], torch.Tensor]:
+    """The distinct strings of `texts` in first-seen order, and each text's index among them (`text_ids`)."""
+    index: dict[str, int] = {}
+    ids = [index.setdefault(text, len(index)) for text in texts]
+    return list(index), torch.tensor(ids, dtype=torch.long)
 
 
 def captions_to_text_to_image(texts_per_image: Sequence[Sequence[str]]) -> tuple[list[str], torch.Tensor]:

@@ -30,7 +30,7 @@ import torch
 
 from .encode import encode_images, encode_texts
 from .evaluator import iter_column
-from .retrieval import captions_to_text_to_image, image_to_text_ranks
+from .retrieval import captions_to_text_to_image, hit_rate, image_to_text_rank_counts
 
 #: Inner bin edges in degrees; bins are [0, e0], (e0, e1], ..., (e_last, 180] (Fig. 2c, Tab. 1, Tab. 5).
 SAM_EDGES: tuple[float, ...] = (5.0, 10.0, 15.0, 20.0)
@@ -163,11 +163,12 @@ def _median(values: torch.Tensor) -> float:
 def i2t_top1_correct(
     images: torch.Tensor, texts: torch.Tensor, text_to_image: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Per image, whether its best-scoring text (among all `texts`) is one of its own captions ([N] bool).
-    `text_to_image` maps each text to its image (default: text i belongs to image i)."""
+    """Per image, whether its best-scoring text (among all `texts`) is one of its own captions, and no other text
+    ties with it ([N] bool). `text_to_image` maps each text to its image (default: text i belongs to image i)."""
     if text_to_image is None:
         text_to_image = torch.arange(texts.shape[0])
-    return image_to_text_ranks(images.float(), texts.float(), text_to_image.to(texts.device)) == 0
+    counts = image_to_text_rank_counts(images.float(), texts.float(), text_to_image.to(texts.device))
+    return hit_rate(counts, 1) == 1.0
 
 
 # ----- one model pair ----------------------------------------------------------------------------------------

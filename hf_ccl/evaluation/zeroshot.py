@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from ..data.templates import format_template
 from .encode import encode_texts
+from .retrieval import RankCounts, hit_rate, similarity_scores
 
 DEFAULT_TEMPLATES = ("a photo of a {label}.",)
 TextEncoder = Callable[[list[str]], torch.Tensor]
@@ -69,8 +70,9 @@ def zero_shot_accuracy(
 ) -> dict[str, float]:
     """Top-K zero-shot accuracy in percent: `accuracy` (top-1, always) and `top{K}_accuracy` for each 1 < K < C.
 
-    Both embedding sets are L2-normalised here. As in `recall_at_k`, ties go in the image's favour: the true class
-    is ranked by the number of classes scoring strictly higher than it.
+    Both embedding sets are L2-normalised here. As in `recall_at_k`, ties count in expectation (`hit_rate`): an image
+    whose true class ties with c other classes at the top is right with probability 1/(c+1), so a model whose class
+    embeddings collapse scores chance, not 100%.
     """
     images = F.normalize(image_embeds.float(), dim=-1)
     classes = F.normalize(class_embeds.float(), dim=-1).to(images.device)
@@ -84,11 +86,12 @@ def zero_shot_accuracy(
         raise ValueError(
             f"labels must lie in [0, {n_classes}); got min {int(labels.min())}, max {int(labels.max())}"
         )
-    logits = images @ classes.T
+    logits = similarity_scores(images, classes)
     true_score = logits.gather(1, labels.unsqueeze(1))
-    ranks = (logits > true_score).sum(dim=1)
-    metrics = {"accuracy": 100.0 * (ranks < 1).float().mean().item()}
+    above = (logits > true_score).sum(dim=1)
+    counts = RankCounts(above, (logits >= true_score).sum(dim=1) - above - 1, torch.ones_like(above))
+    metrics = {"accuracy": 100.0 * hit_rate(counts, 1).mean().item()}
     for k in ks:
         if 1 < k < n_classes:
-            metrics[f"top{k}_accuracy"] = 100.0 * (ranks < k).float().mean().item()
+            metrics[f"top{k}_accuracy"] = 100.0 * hit_rate(counts, k).mean().item()
     return metrics

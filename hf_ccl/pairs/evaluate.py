@@ -2,9 +2,8 @@
 the drift of old alignment matrices (Def. 1, Eq. 4).
 
 Scores are the objective's similarity of the learner outputs (raw inner products for the paper's `dot`), and each
-query has exactly one positive (row i ↔ row i). The rank of the positive is the number of candidates scoring
-strictly higher (ties in the query's favour). `cos_*` metrics score cosines, what a CLIP with the heads folded into
-its projections computes (`fold_into_clip`).
+query has exactly one positive (row i ↔ row i). Ties count in expectation, as in `hf_ccl.evaluation.recall_at_k`.
+`cos_*` metrics score cosines, what a CLIP with the heads folded into its projections computes (`fold_into_clip`).
 """
 
 from __future__ import annotations
@@ -13,25 +12,28 @@ from collections.abc import Sequence
 
 import torch
 
+from ..evaluation.retrieval import RankCounts, hit_rate
 from .heads import LearnerHeads, pair_logits
 from .objective import PairObjective
 
 KS = (1, 5, 10)
 
 
-def positive_ranks(scores: torch.Tensor) -> torch.Tensor:
-    """0-based rank of the diagonal entry in each row of a square score matrix."""
+def diagonal_rank_counts(scores: torch.Tensor) -> RankCounts:
+    """Where the diagonal entry of each row of a square score matrix stands among its row."""
     positives = scores.diagonal().unsqueeze(1)
-    return (scores > positives).sum(dim=1)
+    above = (scores > positives).sum(dim=1)
+    return RankCounts(above, (scores >= positives).sum(dim=1) - above - 1, torch.ones_like(above))
 
 
 def pair_recall(scores: torch.Tensor, ks: Sequence[int] = KS, prefix: str = "") -> dict[str, float]:
-    """`a2b_R@K` (rows query columns), `b2a_R@K` and `R@K` (their mean), in percent, for a square score matrix."""
+    """`a2b_R@K` (rows query columns), `b2a_R@K` and `R@K` (their mean), in percent, for a square score matrix;
+    ties count in expectation (`hf_ccl.evaluation.hit_rate`)."""
     metrics: dict[str, float] = {}
-    ranks = {"a2b": positive_ranks(scores), "b2a": positive_ranks(scores.T)}
+    counts = {"a2b": diagonal_rank_counts(scores), "b2a": diagonal_rank_counts(scores.T)}
     for k in ks:
-        for direction, rank in ranks.items():
-            metrics[f"{prefix}{direction}_R@{k}"] = 100.0 * (rank < k).float().mean().item()
+        for direction, direction_counts in counts.items():
+            metrics[f"{prefix}{direction}_R@{k}"] = 100.0 * hit_rate(direction_counts, k).mean().item()
         metrics[f"{prefix}R@{k}"] = (metrics[f"{prefix}a2b_R@{k}"] + metrics[f"{prefix}b2a_R@{k}"]) / 2
     return metrics
 
