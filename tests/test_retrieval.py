@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from hf_ccl.evaluation import retrieval
 from hf_ccl.evaluation.retrieval import (
     RankCounts,
     captions_to_text_to_image,
@@ -211,8 +212,8 @@ def test_identical_captions_are_one_text_and_a_positive_of_each_image() -> None:
     assert plain["i2t_R@1"] == pytest.approx(100 * (0.5 + 0.5 + 0) / 3) and plain["t2i_R@1"] == pytest.approx(50.0)
 
 
-@pytest.mark.parametrize("chunk_size", [1, 2, 5, 1000])
-def test_ties_and_identical_captions_do_not_depend_on_chunking(chunk_size: int) -> None:
+@pytest.mark.parametrize(("chunk_size", "column_block"), [(1, 4096), (2, 7), (5, 1), (1000, 16)])
+def test_ties_and_identical_captions_do_not_depend_on_chunking(monkeypatch, chunk_size: int, column_block: int) -> None:
     generator = torch.Generator().manual_seed(1)
     n_images = 23
     owners = torch.arange(n_images).repeat_interleave(3)
@@ -221,6 +222,7 @@ def test_ties_and_identical_captions_do_not_depend_on_chunking(chunk_size: int) 
     images = torch.randint(-1, 2, (n_images, 3), generator=generator).float() + 0.01
     texts = vocabulary[ids]
     full = recall_at_k(images, texts, owners, chunk_size=10_000, text_ids=ids)
+    monkeypatch.setattr(retrieval, "SCORE_COLUMN_BLOCK", column_block)  # candidates scored and counted in blocks
     assert recall_at_k(images, texts, owners, chunk_size=chunk_size, text_ids=ids) == full
 
 

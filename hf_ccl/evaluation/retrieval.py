@@ -31,8 +31,7 @@ import torch
 import torch.nn.functional as F
 
 DEFAULT_KS = (1, 5, 10)
-EXACT_FLOAT_COUNT = 2**24  # float32 counts 0/1 entries exactly below this
-SCORE_COLUMN_BLOCK = 4096  # candidates scored in float64 at a time
+SCORE_COLUMN_BLOCK = 4096  # candidates scored in float64, and compared, at a time
 
 
 class RankCounts(NamedTuple):
@@ -128,16 +127,16 @@ def similarity_scores(
     return scores
 
 
-def _count_greater(sims: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
-    """Per row, the number of entries strictly greater than `threshold` (`[rows, 1]`); overwrites `sims`.
-
-    The comparison is written into `sims` itself (as 1.0 / 0.0) and summed in float32, which is exact for fewer than
-    2**24 columns; this avoids a float copy and the int64 copy that summing a boolean tensor makes.
-    """
-    if sims.shape[1] >= EXACT_FLOAT_COUNT:
-        return (sims > threshold).sum(dim=1)
-    torch.gt(sims, threshold, out=sims)
-    return sims.sum(dim=1).long()
+def _count_at_least(scores: torch.Tensor, threshold: torch.Tensor, column_block: int) -> tuple[torch.Tensor, ...]:
+    """Per row, the entries strictly greater than `threshold` (`[rows, 1]`) and those equal to it, counted
+    `column_block` columns at a time (a boolean comparison, and the int64 copy its sum makes, of that size only)."""
+    above = torch.zeros(scores.shape[0], dtype=torch.long, device=scores.device)
+    equal = torch.zeros_like(above)
+    for start in range(0, scores.shape[1], column_block):
+        block = scores[:, start : start + column_block]
+        above += (block > threshold).sum(dim=1)
+        equal += (block == threshold).sum(dim=1)
+    return above, equal
 
 
 def _rank_counts(
@@ -148,27 +147,27 @@ def _rank_counts(
     chunk_size: int,
 ) -> RankCounts:
     """`RankCounts` of every query against every candidate, given the (query, candidate) pairs that are positive
-    (no pair twice; every query has one). Peak extra memory: one `chunk_size x N_candidates` float32 block and a
-    boolean one, and a `chunk_size x SCORE_COLUMN_BLOCK` float64 one while it is scored. Each query's positives are read from its own row of the block, so rounding can never make the best
+    (no pair twice; every query has one). Peak extra memory: one `chunk_size x N_candidates` float32 block, and
+    `chunk_size x SCORE_COLUMN_BLOCK` float64 / int64 ones while it is scored and counted. Each query's positives are read from its own row of the block, so rounding can never make the best
     positive lose to itself."""
     order = torch.argsort(positive_query, stable=True)  # positive pairs grouped by query
     query_sorted = positive_query[order]
     above, tied_negatives, tied_positives = [], [], []
     for start in range(0, queries.shape[0], chunk_size):
-        sims = similarity_scores(queries[start : start + chunk_size], candidates)  # chunk x N_candidates
+        sims = similarity_scores(queries[start : start + chunk_size], candidates, SCORE_COLUMN_BLOCK)  # chunk x N
         end = start + sims.shape[0]
         bounds = torch.searchsorted(query_sorted, torch.tensor([start, end], device=query_sorted.device))
         pairs = order[int(bounds[0]) : int(bounds[1])]
         rows, columns = positive_query[pairs] - start, positive_candidate[pairs]
         positive_scores = sims[rows, columns]
         best = torch.full((sims.shape[0],), float("-inf"), device=sims.device)
-        best = best.scatter_reduce(0, rows, positive_scores, reduce="amax").unsqueeze(1)
+        best = best.scatter_reduce(0, rows, positive_scores, reduce="amax")
         at_best = torch.zeros(sims.shape[0], dtype=torch.long, device=sims.device)
-        at_best = at_best.scatter_add(0, rows, (positive_scores == best[rows, 0]).long())
-        at_or_above = (sims >= best).sum(dim=1)
-        above.append(_count_greater(sims, best))
+        at_best = at_best.scatter_add(0, rows, (positive_scores == best[rows]).long())
+        greater, equal = _count_at_least(sims, best.unsqueeze(1), SCORE_COLUMN_BLOCK)
+        above.append(greater)
+        tied_negatives.append(equal - at_best)
         tied_positives.append(at_best)
-        tied_negatives.append(at_or_above - above[-1] - at_best)
         del sims  # free the block before the next one is allocated
     return RankCounts(torch.cat(above), torch.cat(tied_negatives), torch.cat(tied_positives))
 
