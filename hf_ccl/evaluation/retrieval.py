@@ -209,8 +209,7 @@ def image_to_text_rank_counts(
     Embeddings are L2-normalised here. Peak extra memory: normalised copies of the inputs and one
     `chunk_size x N_txt` block.
     """
-    images, texts, inverse, owners = _retrieval_inputs(image_embeds, text_embeds, text_to_image, chunk_size,
-                                                          text_ids)
+    images, texts, inverse, owners = _retrieval_inputs(image_embeds, text_embeds, text_to_image, chunk_size, text_ids)
     image_rows, text_columns = _unique_pairs(owners, inverse, texts.shape[0])
     return _rank_counts(images, texts, image_rows, text_columns, chunk_size)
 
@@ -228,8 +227,7 @@ def text_to_image_rank_counts(
     Embeddings are L2-normalised here. Peak extra memory: normalised copies of the inputs and one
     `chunk_size x N_img` block.
     """
-    images, texts, inverse, owners = _retrieval_inputs(image_embeds, text_embeds, text_to_image, chunk_size,
-                                                          text_ids)
+    images, texts, inverse, owners = _retrieval_inputs(image_embeds, text_embeds, text_to_image, chunk_size, text_ids)
     text_rows, image_columns = _unique_pairs(inverse, owners, images.shape[0])
     counts = _rank_counts(texts, images, text_rows, image_columns, chunk_size)
     return RankCounts(*(values[inverse] for values in counts))  # back to one row per caption
