@@ -24,6 +24,8 @@ from .retrieval import (
     image_to_text_rank_counts,
     recall_at_k,
     recall_from_rank_counts,
+    similarity_scores,
+    single_positive_rank_counts,
     text_to_image_rank_counts,
     unique_texts,
 )
@@ -48,6 +50,8 @@ __all__ = [
     "plot_matrix_heatmap",
     "recall_at_k",
     "recall_from_rank_counts",
+    "similarity_scores",
+    "single_positive_rank_counts",
     "summarize",
     "text_to_image_rank_counts",
     "tic_backward",

@@ -7,10 +7,10 @@ Definitions (specs/cllclip.md section 7, the usual Flickr/COCO protocol):
 - `R_mean` is the mean of the six recalls (i2t and t2i at K = 1, 5, 10), all in percent.
 
 Memory grows linearly with the eval set: the similarity matrix is never materialised in full. Each chunk of
-`chunk_size` queries is scored against every candidate (a `chunk_size x N` block, computed in float64 and rounded to
-float32 so that identical candidates tie whatever the block's shape: `similarity_scores`); for each query the block gives
-`RankCounts`: the candidates scoring strictly higher than its best positive, and the negatives and positives scoring
-exactly as high, with no sort.
+`chunk_size` queries is scored against every candidate (a `chunk_size x N` block, computed in float64 and rounded
+to float32 so that identical candidates tie whatever the block's shape: `similarity_scores`); for each query the
+block gives `RankCounts`: the candidates scoring strictly higher than its best positive, and the negatives and
+positives scoring exactly as high, with no sort.
 
 **Ties** are resolved in expectation: a query's recall at K is the probability that a positive lands in the top K
 when tied scores are put in a uniformly random order, the mean of what a sort-based protocol gives over its
@@ -55,7 +55,7 @@ def hit_rate(counts: RankCounts, k: int) -> torch.Tensor:
     negatives = counts.tied_negatives.double()
     total = negatives + counts.tied_positives.double()
     miss = torch.ones_like(negatives)
-    for i in range(min(k, int(room.max().clamp(min=0)) if room.numel() else 0)):
+    for i in range(int(room.max()) if room.numel() else 0):  # room <= k
         factor = (negatives - i).clamp(min=0) / (total - i).clamp(min=1)
         miss = torch.where(room > i, miss * factor, miss)
     return torch.where(room > 0, 1.0 - miss, torch.zeros_like(miss))
@@ -127,7 +127,9 @@ def similarity_scores(
     return scores
 
 
-def _count_at_least(scores: torch.Tensor, threshold: torch.Tensor, column_block: int) -> tuple[torch.Tensor, ...]:
+def _count_above_and_equal(
+    scores: torch.Tensor, threshold: torch.Tensor, column_block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, the entries strictly greater than `threshold` (`[rows, 1]`) and those equal to it, counted
     `column_block` columns at a time (a boolean comparison, and the int64 copy its sum makes, of that size only)."""
     above = torch.zeros(scores.shape[0], dtype=torch.long, device=scores.device)
@@ -139,6 +141,13 @@ def _count_at_least(scores: torch.Tensor, threshold: torch.Tensor, column_block:
     return above, equal
 
 
+def single_positive_rank_counts(scores: torch.Tensor, positive: torch.Tensor) -> RankCounts:
+    """`RankCounts` of each row of a full score matrix whose one positive scores `positive` (`[rows, 1]`), an entry of
+    that row (zero-shot classes, the diagonal of a pair matrix)."""
+    above = (scores > positive).sum(dim=1)
+    return RankCounts(above, (scores >= positive).sum(dim=1) - above - 1, torch.ones_like(above))
+
+
 def _rank_counts(
     queries: torch.Tensor,
     candidates: torch.Tensor,
@@ -148,8 +157,8 @@ def _rank_counts(
 ) -> RankCounts:
     """`RankCounts` of every query against every candidate, given the (query, candidate) pairs that are positive
     (no pair twice; every query has one). Peak extra memory: one `chunk_size x N_candidates` float32 block, and
-    `chunk_size x SCORE_COLUMN_BLOCK` float64 / int64 ones while it is scored and counted. Each query's positives are read from its own row of the block, so rounding can never make the best
-    positive lose to itself."""
+    `chunk_size x SCORE_COLUMN_BLOCK` float64 / int64 ones while it is scored and counted. Each query's positives are
+    read from its own row of the block, so rounding can never make the best positive lose to itself."""
     order = torch.argsort(positive_query, stable=True)  # positive pairs grouped by query
     query_sorted = positive_query[order]
     above, tied_negatives, tied_positives = [], [], []
@@ -164,7 +173,7 @@ def _rank_counts(
         best = best.scatter_reduce(0, rows, positive_scores, reduce="amax")
         at_best = torch.zeros(sims.shape[0], dtype=torch.long, device=sims.device)
         at_best = at_best.scatter_add(0, rows, (positive_scores == best[rows]).long())
-        greater, equal = _count_at_least(sims, best.unsqueeze(1), SCORE_COLUMN_BLOCK)
+        greater, equal = _count_above_and_equal(sims, best.unsqueeze(1), SCORE_COLUMN_BLOCK)
         above.append(greater)
         tied_negatives.append(equal - at_best)
         tied_positives.append(at_best)
@@ -197,6 +206,19 @@ def _retrieval_inputs(
     return images, texts[first], inverse, text_to_image
 
 
+def _image_to_text(images: torch.Tensor, texts: torch.Tensor, inverse: torch.Tensor, owners: torch.Tensor,
+                   chunk_size: int) -> RankCounts:
+    image_rows, text_columns = _unique_pairs(owners, inverse, texts.shape[0])
+    return _rank_counts(images, texts, image_rows, text_columns, chunk_size)
+
+
+def _text_to_image(images: torch.Tensor, texts: torch.Tensor, inverse: torch.Tensor, owners: torch.Tensor,
+                   chunk_size: int) -> RankCounts:
+    text_rows, image_columns = _unique_pairs(inverse, owners, images.shape[0])
+    counts = _rank_counts(texts, images, text_rows, image_columns, chunk_size)
+    return RankCounts(*(values[inverse] for values in counts))  # back to one row per caption
+
+
 def image_to_text_rank_counts(
     image_embeds: torch.Tensor,
     text_embeds: torch.Tensor,
@@ -209,9 +231,8 @@ def image_to_text_rank_counts(
     Embeddings are L2-normalised here. Peak extra memory: normalised copies of the inputs and one
     `chunk_size x N_txt` block.
     """
-    images, texts, inverse, owners = _retrieval_inputs(image_embeds, text_embeds, text_to_image, chunk_size, text_ids)
-    image_rows, text_columns = _unique_pairs(owners, inverse, texts.shape[0])
-    return _rank_counts(images, texts, image_rows, text_columns, chunk_size)
+    inputs = _retrieval_inputs(image_embeds, text_embeds, text_to_image, chunk_size, text_ids)
+    return _image_to_text(*inputs, chunk_size)
 
 
 def text_to_image_rank_counts(
@@ -227,10 +248,8 @@ def text_to_image_rank_counts(
     Embeddings are L2-normalised here. Peak extra memory: normalised copies of the inputs and one
     `chunk_size x N_img` block.
     """
-    images, texts, inverse, owners = _retrieval_inputs(image_embeds, text_embeds, text_to_image, chunk_size, text_ids)
-    text_rows, image_columns = _unique_pairs(inverse, owners, images.shape[0])
-    counts = _rank_counts(texts, images, text_rows, image_columns, chunk_size)
-    return RankCounts(*(values[inverse] for values in counts))  # back to one row per caption
+    inputs = _retrieval_inputs(image_embeds, text_embeds, text_to_image, chunk_size, text_ids)
+    return _text_to_image(*inputs, chunk_size)
 
 
 def recall_from_rank_counts(counts: RankCounts, ks: Sequence[int] = DEFAULT_KS) -> dict[int, float]:
@@ -262,9 +281,9 @@ def recall_at_k(
     """
     if not ks or any(int(k) < 1 for k in ks):
         raise ValueError(f"ks must be positive integers, got {ks}")
-    args = (image_embeds, text_embeds, text_to_image, chunk_size, text_ids)
-    i2t = recall_from_rank_counts(image_to_text_rank_counts(*args), ks)
-    t2i = recall_from_rank_counts(text_to_image_rank_counts(*args), ks)
+    inputs = _retrieval_inputs(image_embeds, text_embeds, text_to_image, chunk_size, text_ids)  # checked once
+    i2t = recall_from_rank_counts(_image_to_text(*inputs, chunk_size), ks)
+    t2i = recall_from_rank_counts(_text_to_image(*inputs, chunk_size), ks)
     metrics = {f"i2t_R@{k}": value for k, value in i2t.items()}
     metrics.update({f"t2i_R@{k}": value for k, value in t2i.items()})
     metrics["R_mean"] = sum(metrics.values()) / len(metrics)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ..data.templates import format_template
 from .encode import encode_texts
-from .retrieval import RankCounts, hit_rate, similarity_scores
+from .retrieval import hit_rate, similarity_scores, single_positive_rank_counts
 
 DEFAULT_TEMPLATES = ("a photo of a {label}.",)
 TextEncoder = Callable[[list[str]], torch.Tensor]
@@ -88,8 +88,7 @@ def zero_shot_accuracy(
         )
     logits = similarity_scores(images, classes)
     true_score = logits.gather(1, labels.unsqueeze(1))
-    above = (logits > true_score).sum(dim=1)
-    counts = RankCounts(above, (logits >= true_score).sum(dim=1) - above - 1, torch.ones_like(above))
+    counts = single_positive_rank_counts(logits, true_score)
     metrics = {"accuracy": 100.0 * hit_rate(counts, 1).mean().item()}
     for k in ks:
         if 1 < k < n_classes:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..evaluation.retrieval import RankCounts, hit_rate
+from ..evaluation.retrieval import RankCounts, hit_rate, single_positive_rank_counts
 from .heads import LearnerHeads, pair_logits
 from .objective import PairObjective
 
@@ -21,9 +21,7 @@ KS = (1, 5, 10)
 
 def diagonal_rank_counts(scores: torch.Tensor) -> RankCounts:
     """Where the diagonal entry of each row of a square score matrix stands among its row."""
-    positives = scores.diagonal().unsqueeze(1)
-    above = (scores > positives).sum(dim=1)
-    return RankCounts(above, (scores >= positives).sum(dim=1) - above - 1, torch.ones_like(above))
+    return single_positive_rank_counts(scores, scores.diagonal().unsqueeze(1))
 
 
 def pair_recall(scores: torch.Tensor, ks: Sequence[int] = KS, prefix: str = "") -> dict[str, float]:
