@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import shutil
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -380,23 +381,19 @@ class ContinualLearner:
                 model=self.model,
                 output_dir=self.output_dir,
                 seed=self.args.seed + index,
-                extras={
-                    "last_checkpoint": str(last_checkpoint) if last_checkpoint else None,
-                    "tokenizer": self.tokenizer,
-                    "image_processor": self.image_processor,
-                    "base_training": dict(self.args.training),  # as configured, before budget and warmup rules
-                    "samples_per_task": self.args.samples_per_task,
-                    "max_length": self.max_length,
-                    "eval_batch_size": self.args.eval_batch_size,
-                    "run_settings": self.settings,  # stored in mid-task checkpoints, compared on resume
-                },
+                tokenizer=self.tokenizer,
+                image_processor=self.image_processor,
+                max_length=self.max_length,
+                eval_batch_size=self.args.eval_batch_size,
+                samples_per_task=self.args.samples_per_task,
+                base_training=dict(self.args.training),  # as configured, before budget and warmup rules
+                run_settings=self.settings,  # stored in mid-task checkpoints, compared on resume
+                last_checkpoint=str(last_checkpoint) if last_checkpoint else None,
             )
             self._start_task(context)
             self._train_task(context)
             for method in self.methods:
-                deployed = method.after_training(context)
-                if deployed is not None:
-                    self.model = context.model = deployed
+                self._take_changes(context, method.after_training(context), method, "after_training")
             self.results.add_row(task.name, self.evaluate())
             self.stream_logger.log_results(self.results, task.name, self.global_step, self.compute)
             if self._disorder_reference is not None:
@@ -521,16 +518,22 @@ class ContinualLearner:
         return index
 
     def _start_task(self, context: TaskContext) -> None:
-        """Task-start hooks. A hook may return a new model, and may replace `context.extras["tokenizer"]` (a
-        vocabulary grown for a new language): the run then tokenizes, evaluates and saves with the new one."""
+        """Task-start hooks. A hook may assign `context.model` and call `context.replace_tokenizer` (a vocabulary
+        grown for a new language): the run then trains, evaluates and saves with what the context holds."""
         for method in self.methods:
-            new_model = method.on_task_start(context)
-            if new_model is not None:
-                self.model = context.model = new_model
-            tokenizer = context.extras.get("tokenizer")
-            if tokenizer is not None and tokenizer is not self.tokenizer:
-                self.tokenizer = tokenizer
-                self.model.align_special_tokens(tokenizer)
+            self._take_changes(context, method.on_task_start(context), method, "on_task_start")
+
+    def _take_changes(self, context: TaskContext, returned: Any, method: ContinualMethod, hook: str) -> None:
+        """Adopt the model, tokenizer and token limit a hook left in `context`. A model returned by the hook (the
+        interface before `context.model` was assignable) is taken too, with a deprecation warning."""
+        if returned is not None:
+            warnings.warn(f"{type(method).__name__}.{hook} returned a model: assign context.model instead (returning "
+                          "one is deprecated)", FutureWarning, stacklevel=2)
+            context.model = returned
+        self.model = context.model
+        if context.tokenizer is not self.tokenizer:
+            self.tokenizer = context.tokenizer
+            self.model.align_special_tokens(self.tokenizer)
 
     def _train_dataset(self, context: TaskContext, training_args: TrainingArguments):  # noqa: ANN202 (datasets.Dataset)
         dataset = context.task.train
@@ -618,16 +621,11 @@ class ContinualLearner:
         )
         train_dataset = self._train_dataset(context, training_args)
         # What task-end hooks may need to run the model over the task's data (EWC's Fisher, MAS, DER).
-        context.extras.update(
-            train_dataset=train_dataset,
-            collator=CLIPCollator(
-                self.image_processor, self.tokenizer, max_length=self.max_length, train=False, seed=context.seed,
-                **options,
-            ),
-            image_processor=self.image_processor,
-            tokenizer=self.tokenizer,
-            per_device_batch_size=training_args.per_device_train_batch_size,
+        context.train_dataset = train_dataset
+        context.collator = CLIPCollator(
+            self.image_processor, self.tokenizer, max_length=self.max_length, train=False, seed=context.seed, **options
         )
+        context.per_device_batch_size = training_args.per_device_train_batch_size
         if training_args.push_to_hub and is_main_process():
             ensure_branch(training_args.hub_model_id, training_args.hub_revision, private=self.args.hub_private_repo,
                           retries=self.args.hub_retries, backoff=self.args.hub_retry_backoff)
@@ -643,7 +641,7 @@ class ContinualLearner:
         self.stream_logger.attach(trainer, offset=self.global_step)
         macs_per_sample = self._forward_macs(collator, train_dataset)
         trainer.train(resume_from_checkpoint=self._mid_task_checkpoint(trainer.args, context.task_index))
-        context.extras["log_history"] = trainer.state.log_history
+        context.log_history = trainer.state.log_history
         self.global_step += trainer.state.global_step
         self.compute.append(task_compute(
             context.task.name, trainer.state.global_step, global_batch_size(trainer.args.to_dict()), macs_per_sample,

@@ -83,8 +83,8 @@ class ContinualTrainer(Trainer):
 
     The optimizer is the Trainer's own, with two method hooks: parameters named by a method's `no_weight_decay`
     go to the group without weight decay, and each method's `optimizer_parameters` are added as one more group
-    without weight decay. The optimizer and the TrainingArguments are put in `context.extras["optimizer"]` and
-    `context.extras["training_args"]` for the methods' `pre_optimizer_step`.
+    without weight decay. The optimizer and the TrainingArguments are put in `context.optimizer` and
+    `context.training_args` for the methods' `pre_optimizer_step`.
     """
 
     def __init__(
@@ -112,7 +112,7 @@ class ContinualTrainer(Trainer):
             )
         self.add_callback(MethodHooksCallback(self))
         if self.context is not None:
-            self.context.extras["training_args"] = self.args
+            self.context.training_args = self.args
 
     @property
     def replaces_contrastive_loss(self) -> bool:
@@ -145,7 +145,7 @@ class ContinualTrainer(Trainer):
                     parameter.data = parameter.data.to(device)
                 optimizer.add_param_group({"params": extra, "weight_decay": 0.0})
         if self.context is not None:
-            self.context.extras["optimizer"] = optimizer
+            self.context.optimizer = optimizer
         return optimizer
 
     def unwrapped_model(self, model: torch.nn.Module | None = None) -> torch.nn.Module:
@@ -258,7 +258,7 @@ class ContinualTrainer(Trainer):
         where = f"step {self.state.global_step + 1}"
         if self.context is not None:
             where = f"task {self.context.task_index} ({self.context.task.name!r}), {where}"
-            last = self.context.extras.get("last_checkpoint")
+            last = self.context.last_checkpoint
             where += f"; the last good checkpoint is kept at {last}" if last else "; no checkpoint was written yet"
         values = ", ".join(f"{name}={float(value.detach()):.4g}" for name, value in terms.items())
         raise NonFiniteLossError(f"Non-finite loss at {where}. Loss terms: {values}")
@@ -274,8 +274,8 @@ class ContinualTrainer(Trainer):
             save_method_states(self.methods, folder)
             task = {"task_index": None if self.context is None else self.context.task_index,
                     "task_name": None if self.context is None else self.context.task.name}
-            if self.context is not None and "run_settings" in self.context.extras:
-                task["settings"] = self.context.extras["run_settings"]  # compared when the task resumes
+            if self.context is not None and self.context.run_settings is not None:
+                task["settings"] = self.context.run_settings  # compared when the task resumes
             (folder / "task.json").write_text(json.dumps(task), encoding="utf-8")
         sampler = getattr(self.data_collator, "state_dict", None)
         if callable(sampler):

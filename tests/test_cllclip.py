@@ -97,7 +97,7 @@ def test_loss_terms_are_weighted_eqs_2_and_3(stream, tokenizer):
     model = tiny_clip(seed=0)
     model.align_special_tokens(tokenizer)
     method = CLLCLIP({"cross_modal_weight": 0.01, "cross_lingual_weight": 1.0})
-    context = TaskContext(1, stream[1], stream, model, output_dir=None, extras={"tokenizer": tokenizer})
+    context = TaskContext(1, stream[1], stream, model, output_dir=None, tokenizer=tokenizer)
     method.on_task_start(context)
     collator = CLIPCollator(load_image_processor(32), tokenizer, seed=0, **method.collator_options(context))
     batch = collator([stream[1].train[i] for i in range(4)])
@@ -164,7 +164,7 @@ def test_temperature_is_an_optimizer_group_without_decay(stream, tokenizer, tmp_
     model = tiny_clip(seed=0)
     model.align_special_tokens(tokenizer)
     method = CLLCLIP()
-    context = TaskContext(0, stream[0], stream, model, output_dir=None, extras={"tokenizer": tokenizer})
+    context = TaskContext(0, stream[0], stream, model, output_dir=None, tokenizer=tokenizer)
     method.on_task_start(context)
     trainer = ContinualTrainer(model=model, methods=[method], args=_args(tmp_path), context=context)
     optimizer = trainer.create_optimizer()
@@ -172,7 +172,7 @@ def test_temperature_is_an_optimizer_group_without_decay(stream, tokenizer, tmp_
     assert len(groups) == 1 and groups[0]["weight_decay"] == 0.0 and len(groups[0]["params"]) == 1
     trained = [p for g in optimizer.param_groups for p in g["params"]]
     assert len(trained) == 2 and any(p is model.get_input_embeddings().weight for p in trained)
-    assert context.extras["optimizer"] is optimizer and context.extras["training_args"] is trainer.args
+    assert context.optimizer is optimizer and context.training_args is trainer.args
 
 
 def test_loss_is_the_methods_terms_alone(trained):
@@ -221,11 +221,11 @@ def test_order_and_data_errors(stream, tokenizer):
     model = tiny_clip(seed=0)
     method = CLLCLIP()
     grown = TaskContext(0, stream[0], stream, model, output_dir=None,
-                        extras={"tokenizer": tokenizer, "new_token_ids": [49408]})
+                        tokenizer=tokenizer, new_token_ids=[49408])
     with pytest.raises(ValueError, match="before vocabulary growth"):
         method.on_task_start(grown)
     missing = CLLCLIP({"parallel_text_column": "texts_fr", "require_parallel": True})
-    context = TaskContext(0, stream[0], stream, model, output_dir=None, extras={"tokenizer": tokenizer})
+    context = TaskContext(0, stream[0], stream, model, output_dir=None, tokenizer=tokenizer)
     with pytest.raises(ValueError, match="no 'texts_fr' column"):
         missing.on_task_start(context)
     english = CLLCLIP({"parallel_text_column": "texts_fr"})  # a task without it is English: x^E = x^F

@@ -384,7 +384,7 @@ def test_real_run_teacher_frozen_terms_logged_state_saved(digits, clip_tokenizer
             assert all(torch.equal(before[name], after[name]) for name in before)  # unchanged by training
         else:
             original(context)
-        logs.append([log for log in context.extras["log_history"] if "loss" in log])
+        logs.append([log for log in context.log_history if "loss" in log])
 
     learner._train_task = train_and_keep_logs
     learner.fit()

@@ -233,7 +233,7 @@ def test_two_task_tiny_clip_run_projects_the_second_task_and_state_round_trips(t
     class Learner(ContinualLearner):
         def _train_task(self, context):
             super()._train_task(context)
-            self.logs = [*getattr(self, "logs", []), context.extras["log_history"]]
+            self.logs = [*getattr(self, "logs", []), context.log_history]
 
     stream = build_stream("digits", max_train_per_task=32, max_eval_per_task=16)
     stream.tasks = stream.tasks[:2]

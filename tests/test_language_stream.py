@@ -59,7 +59,7 @@ def test_eval_images_have_captions_in_every_language(flickr):
 
 @pytest.mark.parametrize("init", ["teir", "hf", "fixed"])
 def test_grow_vocab_hook(init, clip_tokenizer, tmp_path):
-    """on_task_start: new tokenizer and ids in extras, old rows and the embedding's requires_grad kept, new rows by
+    """on_task_start: new tokenizer and ids in the context, old rows and the embedding's requires_grad kept, new rows by
     the chosen rule (TEIR: scalar mean/std of the whole previous table, spec §3.1)."""
     stream = build_stream("flickr8k-languages", languages=("de", "fr"), max_train_per_task=40, max_eval_per_task=4)
     model = tiny_clip(seed=0)
@@ -67,9 +67,9 @@ def test_grow_vocab_hook(init, clip_tokenizer, tmp_path):
     old = model.get_input_embeddings().weight.detach().clone()
     method = build_methods(["grow_vocab"], {"grow_vocab": {"vocab_size": 800, "init": init, "seed": 5}})[0]
     context = TaskContext(task_index=0, task=stream[0], stream=stream, model=model, output_dir=tmp_path,
-                          extras={"tokenizer": clip_tokenizer, "max_length": 77})
+                          tokenizer=clip_tokenizer, max_length=77)
     method.on_task_start(context)
-    grown, ids = context.extras["tokenizer"], context.extras["new_token_ids"]
+    grown, ids = context.tokenizer, context.new_token_ids
     assert grown is not clip_tokenizer and len(clip_tokenizer) == 49408
     assert ids == list(range(49408, len(grown))) and len(ids) > 100
     weight = model.get_input_embeddings().weight

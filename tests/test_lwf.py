@@ -111,7 +111,7 @@ class _Probe(LwF):
             "teacher": None if teacher is None else [p.detach().clone() for p in teacher.parameters()],
             "frozen": teacher is None or (not teacher.model.training and not any(p.requires_grad for p in teacher.parameters())),
             "student": [p.detach().clone() for p in context.model.parameters()],
-            "log": context.extras["log_history"],
+            "log": context.log_history,
         })
         super().on_task_end(context)
 

@@ -208,7 +208,7 @@ class _Probe(ModX):
                 not teacher.model.training and all(not p.requires_grad and p.grad is None for p in teacher.parameters())
             ),
             "student": {k: v.detach().clone() for k, v in context.model.state_dict().items()},
-            "log": context.extras["log_history"],
+            "log": context.log_history,
         })
         super().on_task_end(context)
 

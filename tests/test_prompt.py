@@ -75,7 +75,7 @@ def test_fit_length_keeps_eos_last():
 def _context(model, index, tokenizer, tmp_path, seed=0):
     stream = TaskStream("s", [])
     return TaskContext(task_index=index, task=None, stream=stream, model=model, output_dir=tmp_path, seed=seed,
-                       extras={"tokenizer": tokenizer})
+                       tokenizer=tokenizer)
 
 
 def test_only_the_prompt_trains_and_flags_are_restored(clip_tokenizer, tmp_path):

@@ -37,8 +37,8 @@ class _Two(nn.Module):
         self.b = nn.Parameter(torch.tensor(b))
 
 
-def _context(model: nn.Module, **extras) -> TaskContext:
-    return TaskContext(task_index=0, task=None, stream=None, model=model, output_dir=Path("."), extras=extras)
+def _context(model: nn.Module, **fields) -> TaskContext:
+    return TaskContext(task_index=0, task=None, stream=None, model=model, output_dir=Path("."), **fields)
 
 
 def _batches(seed: int, sizes: tuple[int, ...]) -> list[dict[str, torch.Tensor]]:
@@ -223,9 +223,9 @@ def test_ewc_on_task_end_online_update(monkeypatch):
     assert ewc.loss_terms(model, {}, None, context)["penalty"].item() == 0.0
 
 
-def test_importance_pass_needs_the_extras():
+def test_importance_pass_needs_the_task_data():
     with pytest.raises(
-        ValueError, match="context.extras\\['collator'\\].*missing: \\['collator', 'train_dataset'\\]"
+        ValueError, match="context.collator .*missing: \\['collator', 'train_dataset'\\]"
     ):
         EWC().on_task_end(_context(tiny_clip()))
 
@@ -326,21 +326,21 @@ def test_mas_importance_is_the_mean_absolute_per_example_gradient():
 
 # ----- a real 2-task stream -----------------------------------------------------------------------------------------
 class _Learner(ContinualLearner):
-    """Puts the importance pass's data in `context.extras`, as the loop will, and keeps each task's logs."""
+    """Puts the importance pass's data in the context, as the loop will, and keeps each task's logs."""
 
     logs: list[list[dict]]
 
     def _train_dataset(self, context, training_args):
         dataset = super()._train_dataset(context, training_args)
-        context.extras["train_dataset"] = dataset
-        context.extras["collator"] = CLIPCollator(
+        context.train_dataset = dataset
+        context.collator = CLIPCollator(
             self.image_processor, self.tokenizer, max_length=self.max_length, train=False
         )
         return dataset
 
     def _train_task(self, context):
         super()._train_task(context)
-        self.logs = [*getattr(self, "logs", []), context.extras["log_history"]]
+        self.logs = [*getattr(self, "logs", []), context.log_history]
 
 
 def test_methods_on_a_real_stream_and_state_round_trip(tmp_path, clip_tokenizer):

@@ -42,8 +42,8 @@ def fake_stream() -> TaskStream:
     return TaskStream("fake", [_fake_task("a", 4, captions=3), _fake_task("b", 6), _fake_task("c", 3)])
 
 
-def _context(stream: TaskStream, index: int, model=None, **extras) -> TaskContext:
-    return TaskContext(index, stream.tasks[index], stream, model, output_dir=None, seed=index, extras=dict(extras))
+def _context(stream: TaskStream, index: int, model=None, **fields) -> TaskContext:
+    return TaskContext(index, stream.tasks[index], stream, model, output_dir=None, seed=index, **fields)
 
 
 @pytest.fixture(scope="module")
@@ -314,7 +314,7 @@ def test_three_task_digits_run(tmp_path, digits_stream, clip_tokenizer, method_c
 
     def train_and_keep_logs(context):
         original(context)
-        logs.append([log for log in context.extras["log_history"] if "loss" in log])
+        logs.append([log for log in context.log_history if "loss" in log])
 
     learner._train_task = train_and_keep_logs
     results = learner.fit()

@@ -67,11 +67,11 @@ def test_frequencies_follow_the_worked_examples(tokenizer):
     texts = [["a dog", "dog a"], ["a qqxyz"], ["qqxyz cat"]]
     expected = [{a: 1 / 2, dog: 1 / 2, cat: 0.0}, {a: 1 / 3, dog: 0.0, new_id: 1.0}, {a: 0.0, new_id: 1 / 2, cat: 1 / 2}]
     for index, (captions, wanted) in enumerate(zip(texts, expected, strict=True)):
-        extras = {"tokenizer": tokenizer if index == 0 else grown, "new_token_ids": [] if index != 1 else [new_id]}
+        fields = {"tokenizer": tokenizer if index == 0 else grown, "new_token_ids": [] if index != 1 else [new_id]}
         if index == 1:
             model.resize_token_embeddings(len(grown), mean_resizing=False)
         data = Dataset.from_dict({"texts": [captions]})
-        context = TaskContext(index, None, None, model, output_dir=None, extras=extras)
+        context = TaskContext(index, None, None, model, output_dir=None, **fields)
         scales = method.prepare(context, data)
         assert scales.shape == (model.get_input_embeddings().num_embeddings,)
         for token, value in wanted.items():
@@ -99,7 +99,7 @@ def test_adamw_step_scales_gradient_and_decay_per_row():
     lr, beta, eps = 0.1, 0.05, 1e-6
     optimizer = torch.optim.AdamW([{"params": [weight], "weight_decay": 0.0}], lr=lr, eps=eps)
     context = TaskContext(0, None, None, model, output_dir=None,
-                          extras={"optimizer": optimizer, "training_args": SimpleNamespace(weight_decay=beta)})
+                          optimizer=optimizer, training_args=SimpleNamespace(weight_decay=beta))
     before = weight.detach().clone()
     gradient = torch.randn_like(weight)
     # A step the fp16 GradScaler skips: armed, but the optimizer never steps; nothing may be decayed twice.
@@ -116,7 +116,7 @@ def test_adamw_step_scales_gradient_and_decay_per_row():
     assert torch.equal(after[1], before[1]) and torch.equal(after[4], before[4])  # λ = 0: bit-identical
     assert method._hook is None  # the one-shot decay hook fired once and is gone
     decayed_wrong = torch.optim.AdamW([{"params": [weight], "weight_decay": 0.01}], lr=lr)
-    context.extras["optimizer"] = decayed_wrong
+    context.optimizer = decayed_wrong
     with pytest.raises(ValueError, match="also decays the token embedding"):
         method.pre_optimizer_step(model, context)
 
@@ -176,7 +176,7 @@ def test_state_round_trip(tmp_path):
 
 def test_streaming_tasks_are_refused(tokenizer):
     data = Dataset.from_dict({"texts": [["a cat"]]}).to_iterable_dataset()
-    context = TaskContext(0, None, None, tiny_clip(seed=0), output_dir=None, extras={"tokenizer": tokenizer})
+    context = TaskContext(0, None, None, tiny_clip(seed=0), output_dir=None, tokenizer=tokenizer)
     with pytest.raises(ValueError, match="streaming"):
         TEIR().prepare(context, data)
 
@@ -210,6 +210,6 @@ def test_composes_with_vocabulary_growth(shared_data_root, tokenizer, tmp_path):
 
 def test_missing_text_column_is_an_error(tokenizer):
     data = Dataset.from_dict({"captions": [["a cat"]]})
-    context = TaskContext(0, None, None, tiny_clip(seed=0), output_dir=None, extras={"tokenizer": tokenizer})
+    context = TaskContext(0, None, None, tiny_clip(seed=0), output_dir=None, tokenizer=tokenizer)
     with pytest.raises(ValueError, match="no 'texts' column"):
         TEIR().prepare(context, data)

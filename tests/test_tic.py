@@ -58,9 +58,9 @@ def _streaming(sizes: list[int]) -> TaskStream:
     return stream
 
 
-def _context(stream: TaskStream, index: int, model=None, **extras) -> TaskContext:
+def _context(stream: TaskStream, index: int, model=None, **fields) -> TaskContext:
     return TaskContext(index, stream.tasks[index], stream, model, output_dir=None, seed=RUN_SEED + index,
-                       extras=dict(extras))
+                       **fields)
 
 
 def _ids(dataset) -> list[str]:
@@ -275,8 +275,12 @@ def test_restart_starts_each_task_from_a_seeded_fresh_model():
     tokenizer = load_tokenizer()
     previous = tiny_clip(seed=0)
     method = Restart()
-    assert method.on_task_start(_context(stream, 0, previous, tokenizer=tokenizer)) is None
-    new = method.on_task_start(_context(stream, 2, previous, tokenizer=tokenizer))
+    first = _context(stream, 0, previous, tokenizer=tokenizer)
+    method.on_task_start(first)
+    assert first.model is previous  # task 0 keeps the given model
+    later = _context(stream, 2, previous, tokenizer=tokenizer)
+    method.on_task_start(later)
+    new = later.model
     reference = tiny_clip(seed=RUN_SEED + 2)
     for (name, a), b, c in zip(new.state_dict().items(), reference.state_dict().values(),
                                previous.state_dict().values(), strict=True):
@@ -284,7 +288,9 @@ def test_restart_starts_each_task_from_a_seeded_fresh_model():
         if a.is_floating_point() and a.numel() > 1 and "norm" not in name and "bias" not in name:
             assert not torch.equal(a, c), name
     assert new.config.text_config.eos_token_id == tokenizer.eos_token_id
-    assert Restart({"reinit_first_task": True}).on_task_start(_context(stream, 0, previous)) is not None
+    reinit = _context(stream, 0, previous)
+    Restart({"reinit_first_task": True}).on_task_start(reinit)
+    assert reinit.model is not previous
     state = torch.random.get_rng_state()
     fresh_model(previous, 123)
     assert torch.equal(torch.random.get_rng_state(), state)  # the global RNG is left alone
@@ -406,22 +412,22 @@ def test_patching_after_training_picks_the_known_alpha(monkeypatch, previous_onl
 
     monkeypatch.setattr(patching_module, "evaluate_task", fake_evaluate)
     method = Patching({"validation_size": 2, "previous_only": previous_only})
-    extras = {"image_processor": None, "tokenizer": None}
     model = tiny_clip(seed=0)
     with torch.no_grad():
         model.logit_scale.fill_(0.0)
-    context = _context(stream, 0, model, **extras)
+    context = _context(stream, 0, model)
     method.train_dataset(context, stream[0].train)
     assert method.after_training(context) is None and method.alphas == {0: 1.0}
     previous = {k: v.clone() for k, v in model.state_dict().items()}
-    context = _context(stream, 1, model, **extras)
+    context = _context(stream, 1, model)
     method.on_task_start(context)
     method.train_dataset(context, stream[1].train)
     finetuned = tiny_clip(seed=1)
     with torch.no_grad():
         finetuned.logit_scale.fill_(1.0)
     model.load_state_dict(finetuned.state_dict())  # "training"
-    deployed = method.after_training(context)
+    assert method.after_training(context) is None  # patched in place: context.model is the deployed model
+    deployed = context.model
     assert deployed is model and method.alphas[1] == 0.3
     assert evaluated == 11 * (["s0/validation"] if previous_only else ["s0/validation", "s1/validation"])
     for name, tensor in deployed.state_dict().items():

@@ -39,8 +39,8 @@ class _Recorder(ContinualMethod):
 
     def on_task_end(self, context):
         self.calls.append(f"end{context.task_index}")
-        assert {"train_dataset", "collator", "image_processor", "tokenizer"} <= set(context.extras)
-        assert len(context.extras["train_dataset"]) == 32 and not context.extras["collator"].train
+        assert context.image_processor is not None and context.tokenizer is not None
+        assert len(context.train_dataset) == 32 and not context.collator.train
 
     def metrics(self):
         return {"half": 0.5}
@@ -83,7 +83,7 @@ def test_each_loss_term_is_logged(tmp_path, clip_tokenizer):
 
     def train_and_keep_logs(context):
         original(context)
-        trainer_logs.extend(context.extras["log_history"])
+        trainer_logs.extend(context.log_history)
 
     learner._train_task = train_and_keep_logs
     learner.fit()

@@ -1,25 +1,12 @@
-"""Continual-learning methods as composable plugins, and their registry."""
+"""Continual-learning methods as composable plugins, and their registry.
 
-from . import (  # noqa: F401  (registers the built-in methods)
-    cllclip,
-    ctp,
-    dns,
-    ewc,
-    finetune,
-    joint,
-    lora,
-    lwf,
-    mas,
-    modx,
-    patching,
-    prompt,
-    replay,
-    si,
-    teir,
-    tic,
-    tic_replay,
-    vocab,
-)
+Every module of this package is imported here, so a method file registers itself (`@register_method`) by being in
+the folder: adding a method is adding its one file.
+"""
+
+import importlib
+import pkgutil
+
 from .base import ContinualMethod, MethodConfig, TaskContext
 from .registry import (
     METHODS,
@@ -31,6 +18,9 @@ from .registry import (
     register_method,
 )
 from .state import load_method_states, save_method_states
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = [
     "METHODS",

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from datasets import Dataset
+from transformers import PreTrainedTokenizerBase, TrainingArguments
 
 from ..validation import ConfigError, check_mapping, type_hints
 
@@ -67,21 +68,64 @@ class MethodConfig:
 
 @dataclass
 class TaskContext:
-    """What a hook knows about the run: the task, its place in the stream, and the model being trained."""
+    """What a hook knows about the run: the task, its place in the stream, the model being trained, and what the loop
+    trains and evaluates it with.
+
+    A hook changes the model or the tokenizer in one way: by assigning `context.model` (an adapter-wrapped model,
+    a patched one) or calling `context.replace_tokenizer` (a vocabulary grown for a new language); the loop then
+    trains, evaluates and saves with what the context holds. The fields under "set when the task trains" are filled
+    by the loop and the trainer as the task goes (None before).
+    """
 
     task_index: int
     task: Task
     stream: TaskStream
     model: ContinualCLIPModel
-    output_dir: Path
+    output_dir: Path | None = None
     seed: int = 0
     global_step: int = 0
-    extras: dict[str, Any] = field(default_factory=dict)
+    #: The run's tokenizer and image processor (the tokenizer after any growth at this task's start).
+    tokenizer: PreTrainedTokenizerBase | None = None
+    image_processor: Any = None
+    #: Token ids the tokenizer gained at this task's start (`grow_vocab`).
+    new_token_ids: list[int] = field(default_factory=list)
+    #: Token limit of the collators and the evaluation.
+    max_length: int | None = None
+    eval_batch_size: int = 256
+    #: The run's compute budget (training examples per task), None without one.
+    samples_per_task: int | None = None
+    #: The run's `training` options as configured (before the budget and warmup rules).
+    base_training: dict[str, Any] = field(default_factory=dict)
+    #: What a resume must match; stored in mid-task checkpoints.
+    run_settings: dict[str, Any] | None = None
+    #: The task checkpoint the run resumed from or last wrote (None before the first).
+    last_checkpoint: str | None = None
+    # --- set when the task trains -------------------------------------------------------------------------------
+    #: This task's `TrainingArguments` and its torch optimizer (before Accelerate wraps it).
+    training_args: TrainingArguments | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    #: What the task trained on (after the methods' `train_dataset` transforms) and an eval-mode `CLIPCollator` for it.
+    train_dataset: Any = None
+    collator: Any = None
+    per_device_batch_size: int | None = None
+    #: The Trainer's `state.log_history` of this task, after it trained.
+    log_history: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def seen_tasks(self) -> list[Task]:
         """Tasks trained so far, this one included."""
         return self.stream.tasks[: self.task_index + 1]
+
+    def replace_tokenizer(self, tokenizer: PreTrainedTokenizerBase, new_token_ids: list[int] | None = None) -> None:
+        """Train, evaluate and save from now on with `tokenizer` (its `new_token_ids` added at this task)."""
+        self.tokenizer = tokenizer
+        self.new_token_ids = list(new_token_ids or [])
+
+    @property
+    def extras(self) -> dict[str, Any]:
+        """Removed: the context's fields are typed attributes now (`context.tokenizer`, `context.collator`, ...)."""
+        raise AttributeError("TaskContext.extras was replaced by typed attributes: use context.tokenizer, "
+                             "context.collator, context.train_dataset, context.optimizer, context.training_args, ...")
 
 
 class ContinualMethod:
@@ -119,9 +163,9 @@ class ContinualMethod:
             raise TypeError(f"Method {self.name!r} expects a {self.config_class.__name__}, got {type(config).__name__}")
         self.config = config
 
-    def on_task_start(self, context: TaskContext) -> ContinualCLIPModel | None:
-        """Called before a task trains; return a new model to replace `context.model`, or None."""
-        return None
+    def on_task_start(self, context: TaskContext) -> None:
+        """Called before a task trains. To change the model, assign `context.model`; to change the tokenizer, call
+        `context.replace_tokenizer`."""
 
     def train_dataset(self, context: TaskContext, dataset: Dataset) -> Dataset:
         """The dataset this task trains on (default: the task's own train split)."""
@@ -162,23 +206,22 @@ class ContinualMethod:
     def pre_optimizer_step(self, model: ContinualCLIPModel, context: TaskContext) -> None:
         """Edit `p.grad` of the model's parameters before the optimizer steps (after clipping).
 
-        `context.extras["optimizer"]` is then the task's optimizer (the torch optimizer, before Accelerate wraps it)
-        and `context.extras["training_args"]` its `TrainingArguments`."""
+        `context.optimizer` is then the task's optimizer (the torch optimizer, before Accelerate wraps it) and
+        `context.training_args` its `TrainingArguments`."""
 
     def post_optimizer_step(self, model: ContinualCLIPModel, context: TaskContext) -> None:
         """Edit the model's parameters right after `optimizer.step()` (before the LR scheduler steps and the
         gradients are zeroed), e.g. to project the update the optimizer actually made (DNS `project="update"`)."""
 
-    def after_training(self, context: TaskContext) -> ContinualCLIPModel | None:
-        """Called after a task has trained, before it is evaluated: return a new model to deploy (and to evaluate,
-        save and continue from) instead of `context.model`, or None."""
-        return None
+    def after_training(self, context: TaskContext) -> None:
+        """Called after a task has trained, before it is evaluated: assign `context.model` to deploy another model
+        (evaluated, saved and continued from) instead of the trained one."""
 
     def on_task_end(self, context: TaskContext) -> None:
         """Called after a task has trained and been evaluated, before its checkpoint is written.
 
-        `context.extras` then holds `train_dataset` (what the task trained on), `collator` (an eval-mode
-        `CLIPCollator`), `image_processor`, `tokenizer` and `per_device_batch_size`.
+        `context.train_dataset` (what the task trained on), `context.collator` (an eval-mode `CLIPCollator`) and
+        `context.per_device_batch_size` are then set.
         """
 
     def metrics(self) -> dict[str, float]:

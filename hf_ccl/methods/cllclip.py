@@ -369,14 +369,14 @@ class CLLCLIP(ContinualMethod):
     # ----- the teacher ------------------------------------------------------------------------------------------
     def _snapshot(self, context: TaskContext) -> None:
         """Freeze a copy of the initial model and keep the tokenizer it reads (first task start of a run)."""
-        if context.extras.get("new_token_ids"):
+        if context.new_token_ids:
             raise ValueError(
                 "cllclip must come before vocabulary growth in the method list: at the first task start it keeps the "
                 "original CLIP and tokenizer as the teacher, but the vocabulary has already grown"
             )
-        tokenizer = context.extras.get("tokenizer")
+        tokenizer = context.tokenizer
         if tokenizer is None:
-            raise ValueError("cllclip needs context.extras['tokenizer'] (the original tokenizer) at the first task")
+            raise ValueError("cllclip needs context.tokenizer (the original tokenizer) at the first task")
         model = context.model
         self._teacher_config = model.config.to_dict()
         teacher_model = plain_clip_copy(model.state_dict(), self._teacher_config)

@@ -340,7 +340,7 @@ class DNS(ContinualMethod):
         """{layer: (Σ x xᵀ, Σ (Wx)(Wx)ᵀ, rows)} over the task's training data, summed over processes; inputs are
         the rows fed to each module (leading dimensions flattened), outputs bias-free (spec A17)."""
         config = self.config
-        batch_size = config.covariance_batch_size or int(context.extras.get("per_device_batch_size") or 32)
+        batch_size = config.covariance_batch_size or int(context.per_device_batch_size or 32)
         device = next(model.parameters()).device
         sums = {
             name: [

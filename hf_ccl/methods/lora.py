@@ -47,7 +47,6 @@ from .trainable import freeze_base, requires_grad_flags, restore_flags
 if TYPE_CHECKING:
     from peft import LoraConfig
 
-    from ..modeling import ContinualCLIPModel
 
 logger = logging.getLogger(__name__)
 
@@ -240,7 +239,7 @@ class LoRA(ContinualMethod):
         base = self.base_models.get(task_index) if task_index is not None else None
         return self.config.to_peft(base_model_name_or_path=base)
 
-    def on_task_start(self, context: TaskContext) -> ContinualCLIPModel:
+    def on_task_start(self, context: TaskContext) -> None:
         model = context.model
         index = context.task_index
         self._flags = requires_grad_flags(model)
@@ -251,9 +250,8 @@ class LoRA(ContinualMethod):
         self.base_models[index] = base
         inject_lora(model, self.peft_config(index), adapter_name(index))
         freeze_base(model, self.config.trainable, is_own=lambda name: ".lora_" in name)
-        return model
 
-    def after_training(self, context: TaskContext) -> ContinualCLIPModel:
+    def after_training(self, context: TaskContext) -> None:
         model = context.model
         index = context.task_index
         name = adapter_name(index)
@@ -263,7 +261,6 @@ class LoRA(ContinualMethod):
         if self.config.save_adapters and is_main_process():
             folder = Path(context.output_dir) / ADAPTERS_DIR / name
             save_adapter_folder(folder, self.peft_config(index), self.adapters[index])
-        return model
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -27,7 +27,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,9 +39,6 @@ from ..evaluation.evaluator import evaluate_task
 from ..validation import check_count_or_fraction, check_range
 from .base import ContinualMethod, MethodConfig, TaskContext
 from .registry import register_method
-
-if TYPE_CHECKING:
-    from ..modeling import ContinualCLIPModel
 
 logger = logging.getLogger(__name__)
 
@@ -247,17 +244,17 @@ class Patching(ContinualMethod):
     def on_task_start(self, context: TaskContext) -> None:
         """Snapshot theta^p_{t-1}, the model this task starts from (a CPU copy of its state dict)."""
         self._previous = None if context.task_index == 0 else _cpu_copy(context.model)
-        return None
 
     def train_dataset(self, context: TaskContext, dataset: Dataset) -> Dataset:
         self.validation.hold_out(context)
         return self.validation.training_rows(context, dataset)
 
-    def after_training(self, context: TaskContext) -> ContinualCLIPModel | None:
+    def after_training(self, context: TaskContext) -> None:
+        """Deploy θ_{t-1} + α (θ_t − θ_{t-1}) with the α that scores best on the held-out rows (in place)."""
         index = context.task_index
         if index == 0 or self._previous is None:
             self.alphas[index], self.scores[index] = 1.0, []
-            return None
+            return
         model = context.model
         finetuned = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
         steps = range(index) if self.config.previous_only else range(index + 1)
@@ -275,15 +272,14 @@ class Patching(ContinualMethod):
         self._previous = None
         logger.info("Patching, task %d (%s): alpha = %.2f; validation scores %s", index, context.task.name, alpha,
                     {a: round(s, 4) for a, s in scores})
-        return model
 
     def validation_score(self, model: torch.nn.Module, tasks: Sequence[Task], context: TaskContext) -> float:
         """Mean over `tasks` of `task_score` on their validation rows."""
         values = []
         for task in tasks:
             metrics = evaluate_task(
-                model, task, context.extras["image_processor"], context.extras["tokenizer"],
-                batch_size=self.config.eval_batch_size, max_length=context.extras.get("max_length"),
+                model, task, context.image_processor, context.tokenizer,
+                batch_size=self.config.eval_batch_size, max_length=context.max_length,
             )
             values.append(task_score(metrics, task, self.config.metric))
         return float(np.mean(values))

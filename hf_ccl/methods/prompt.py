@@ -197,9 +197,9 @@ class PromptLearning(ContinualMethod):
             return self.prompts[max(previous)].clone()
         embedding = model.get_input_embeddings().weight
         if self.config.ctx_init:
-            tokenizer = context.extras.get("tokenizer")
+            tokenizer = context.tokenizer
             if tokenizer is None:
-                raise ValueError("prompt ctx_init needs the run's tokenizer (context.extras['tokenizer'])")
+                raise ValueError("prompt ctx_init needs the run's tokenizer (context.tokenizer)")
             ids = tokenizer(self.config.ctx_init, add_special_tokens=False)["input_ids"]
             if not ids:
                 raise ValueError(f"prompt ctx_init {self.config.ctx_init!r} has no tokens")
@@ -217,7 +217,7 @@ class PromptLearning(ContinualMethod):
         return TextPrompt(ctx.shape[0], ctx.shape[1], ctx=ctx)
 
     # ----- hooks -------------------------------------------------------------------------------------------
-    def on_task_start(self, context: TaskContext) -> ContinualCLIPModel:
+    def on_task_start(self, context: TaskContext) -> None:
         model = context.model
         model.text_prompt = None
         self._flags = requires_grad_flags(model)
@@ -226,9 +226,8 @@ class PromptLearning(ContinualMethod):
         self._training = TextPrompt(ctx.shape[0], ctx.shape[1], ctx=ctx).to(device=weight.device, dtype=weight.dtype)
         model.text_prompt = self._training
         freeze_base(model, self.config.trainable, is_own=lambda name: name.startswith("text_prompt."))
-        return model
 
-    def after_training(self, context: TaskContext) -> ContinualCLIPModel:
+    def after_training(self, context: TaskContext) -> None:
         model = context.model
         if model.text_prompt is None:
             raise ValueError("The model lost its text prompt during training")
@@ -236,7 +235,6 @@ class PromptLearning(ContinualMethod):
         self.deployed = context.task_index
         self._training = None
         restore_flags(model, self._flags)
-        return model
 
     def state_dict(self) -> dict[str, Any]:
         """The prompt after every task and the deployed one; within a task (the Trainer's mid-task checkpoints,

@@ -18,8 +18,8 @@ computes θ − θ*, Ω ⊙ (θ − θ*) and one dot product per tensor; its bac
 2 Ω ⊙ (θ − θ*). The token embedding is penalised only on its rows with nonzero importance (a task touches few
 tokens), and its gradient is a sparse row gradient (`sparse_token_rows`).
 
-Importance data (EWC, MAS): `on_task_end` reads `context.extras["collator"]` (a `CLIPCollator` in eval mode) and
-`context.extras["train_dataset"]` (the dataset the task trained on). Every process plans the same batches (a
+Importance data (EWC, MAS): `on_task_end` reads `context.collator` (a `CLIPCollator` in eval mode) and
+`context.train_dataset` (the dataset the task trained on). Every process plans the same batches (a
 seeded subset cut into fixed batches), and the batches are dealt to processes round-robin. Each process sums its
 statistic without any collective call; the sums and counts are then reduced with `all_reduce_sum_`. The estimate
 therefore does not depend on the number of processes, and every process ends with the same importances.
@@ -356,15 +356,15 @@ class QuadraticPenaltyMethod(ContinualMethod):
 
 # ----- the importance pass over a task's data ---------------------------------------------------------------------
 def task_data(context: TaskContext, method: str) -> tuple[Callable[[list[dict[str, Any]]], dict], Any]:
-    """The collator and dataset the lead puts in `context.extras` for the importance pass."""
-    missing = [key for key in (COLLATOR_KEY, DATASET_KEY) if context.extras.get(key) is None]
+    """The collator and dataset the loop puts in the context for the importance pass."""
+    missing = [key for key in (COLLATOR_KEY, DATASET_KEY) if getattr(context, key) is None]
     if missing:
         raise ValueError(
             f"Method {method!r} estimates importances from the task's data at task end and needs "
-            f"context.extras[{COLLATOR_KEY!r}] (a CLIPCollator in eval mode) and context.extras[{DATASET_KEY!r}] "
+            f"context.{COLLATOR_KEY} (a CLIPCollator in eval mode) and context.{DATASET_KEY} "
             f"(the dataset the task trained on); missing: {missing}"
         )
-    return context.extras[COLLATOR_KEY], context.extras[DATASET_KEY]
+    return getattr(context, COLLATOR_KEY), getattr(context, DATASET_KEY)
 
 
 def plan_batches(

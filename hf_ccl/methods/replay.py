@@ -179,11 +179,11 @@ class DarkExperienceReplay(ExperienceReplay):
     @torch.no_grad()
     def record_embeddings(self, context: TaskContext, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Normalised image and text embeddings [len(slots), D] of `slots` under `context.model` (eval mode,
-        no grad), preprocessed by the task-end collator `context.extras["collator"]`."""
-        collator = context.extras.get("collator")
+        no grad), preprocessed by the task-end collator `context.collator`."""
+        collator = context.collator
         if collator is None:
-            raise ValueError(f"{self.name} needs context.extras['collator'] at task end (set by ContinualLearner)")
-        batch_size = self.config.embed_batch_size or context.extras.get("per_device_batch_size") or 64
+            raise ValueError(f"{self.name} needs context.collator at task end (set by ContinualLearner)")
+        batch_size = self.config.embed_batch_size or context.per_device_batch_size or 64
         rows = self.buffer.dataset(context.stream, slots=slots, caption_index=self.captions)
         model = context.model
         device = next(model.parameters()).device

@@ -7,12 +7,12 @@ per-row scaling of the token embedding's gradient and decoupled weight decay by 
 α is the learning rate, β the weight decay and j a row of the embedding. As in the official code (spec §3.2,
 §9 A5–A7) the three sets come from the *tokenized data*, so Eq. 6 is λ_j = present_j / freq_j, where
 
-- `present_j` = 1 when the current tokenizer (`context.extras["tokenizer"]`, after any vocabulary growth) emits
+- `present_j` = 1 when the current tokenizer (`context.tokenizer`, after any vocabulary growth) emits
   token j on the task's training captions (`texts` of every row the task trains on, replayed rows included;
   `add_special_tokens=False`), else 0 (V_old: no gradient and no decay, the row stays bit-identical);
 - `freq_j` = c_{t,j} + 1, c counting the earlier *tasks* whose training data contained j. At the first task,
   freq = 2 for the rows the model had before that task (CLIP's pre-training counts as one task, c_{1,j} = 1)
-  and 1 for rows the first task added (`context.extras["new_token_ids"]`); rows added later start at 1; after a
+  and 1 for rows the first task added (`context.new_token_ids`); rows added later start at 1; after a
   task, freq_j += present_j;
 - the special tokens (BOS, EOS, PAD, UNK: `tokenizer.all_special_ids`) get λ = 0: frozen.
 
@@ -188,12 +188,12 @@ class TEIR(ContinualMethod):
                 "teir needs the task's token statistics before training (Eq. 6), which a streaming dataset cannot "
                 "give: use a map-style dataset"
             )
-        tokenizer = context.extras.get("tokenizer")
+        tokenizer = context.tokenizer
         if tokenizer is None:
-            raise ValueError("teir needs context.extras['tokenizer'] (the current tokenizer)")
+            raise ValueError("teir needs context.tokenizer (the current tokenizer)")
         rows = context.model.get_input_embeddings().weight.shape[0]
         if self.frequencies is None:
-            new_ids = context.extras.get("new_token_ids") or ()
+            new_ids = context.new_token_ids
             self.frequencies = initial_frequencies(rows, new_ids, self.config.pretrained_counts_as_task)
         else:
             self.frequencies = extend_frequencies(self.frequencies, rows)
@@ -248,17 +248,17 @@ class TEIR(ContinualMethod):
         """β: `weight_decay`, else the task's TrainingArguments.weight_decay."""
         if self.config.weight_decay is not None:
             return float(self.config.weight_decay)
-        args = context.extras.get("training_args")
+        args = context.training_args
         if args is None:
-            raise ValueError("teir needs weight_decay or context.extras['training_args'] (set by ContinualTrainer)")
+            raise ValueError("teir needs weight_decay or context.training_args (set by ContinualTrainer)")
         return float(args.weight_decay)
 
     def _arm(self, weight: torch.Tensor, scales: torch.Tensor, context: TaskContext) -> None:
         """A one-shot step pre-hook on the task's optimizer that decays `weight`'s rows just before it steps."""
         self._disarm()  # a hook left from a step the GradScaler skipped
-        optimizer = context.extras.get("optimizer")
+        optimizer = context.optimizer
         if optimizer is None:
-            raise ValueError("teir needs context.extras['optimizer'] (set by ContinualTrainer) for its weight decay")
+            raise ValueError("teir needs context.optimizer (set by ContinualTrainer) for its weight decay")
         optimizer = getattr(optimizer, "optimizer", optimizer)  # an Accelerate wrapper's torch optimizer
         group = next((g for g in optimizer.param_groups if any(p is weight for p in g["params"])), None)
         if group is None:

@@ -91,14 +91,13 @@ class FromScratch(ContinualMethod):
         super().__init__(config)
         self.pool = CumulativePool("all", stream_sizes=self.config.stream_sizes)
 
-    def on_task_start(self, context: TaskContext) -> ContinualCLIPModel | None:
+    def on_task_start(self, context: TaskContext) -> None:
         if context.task_index == 0 and not self.config.reinit_first_task:
-            return None
+            return
         new = fresh_model(context.model, context.seed)
-        tokenizer = context.extras.get("tokenizer")
-        if tokenizer is not None:
-            new.align_special_tokens(tokenizer)
-        return new
+        if context.tokenizer is not None:
+            new.align_special_tokens(context.tokenizer)
+        context.model = new
 
     def train_dataset(self, context: TaskContext, dataset: Dataset) -> Dataset:
         """D_t and every example of D_1..D_{t-1}, shuffled together (as Cumulative-All, and `joint`)."""
@@ -107,7 +106,7 @@ class FromScratch(ContinualMethod):
     def training_overrides(self, context: TaskContext, training: dict[str, Any]) -> dict[str, Any]:
         """The first step's warmup (`base_training`'s `warmup_steps`), whatever the run's warmup rule. A float
         below 1 is a ratio in transformers, so it then scales with this task's steps (Oracle's t x C)."""
-        base = context.extras.get("base_training", {})
+        base = context.base_training
         return {"warmup_steps": base.get("warmup_steps", 0)}
 
     def state_dict(self) -> dict[str, Any]:
@@ -133,7 +132,7 @@ class Oracle(FromScratch):
     needs_compute_budget = True
 
     def training_overrides(self, context: TaskContext, training: dict[str, Any]) -> dict[str, Any]:
-        if context.extras.get("samples_per_task") is None or "max_steps" not in training:
+        if context.samples_per_task is None or "max_steps" not in training:
             raise ValueError(
                 "Oracle trains t x C iterations at step t: the run needs a compute budget C "
                 "(ContinualArguments.samples_per_task)"

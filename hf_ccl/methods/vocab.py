@@ -10,8 +10,8 @@ Initialization"):
    N(0, `init_std`²) (`"fixed"`, the paper's baseline without TEIR);
 4. optionally the context grows (`context_length`; Mongolian and Tibetan need more than 77 tokens).
 
-The grown tokenizer replaces `context.extras["tokenizer"]`: the loop trains, evaluates and saves with it (every task
-checkpoint holds it, and a resumed run reloads it). This task's new ids are in `context.extras["new_token_ids"]`
+The grown tokenizer replaces the context's (`context.replace_tokenizer`): the loop trains, evaluates and saves with it
+(every task checkpoint holds it, and a resumed run reloads it). This task's new ids are in `context.new_token_ids`
 (TEIR reads them). Method order: `["cllclip", "grow_vocab", "teir"]`: `teir` after `grow_vocab` (it counts the
 tokens of the grown tokenizer and reads the new ids), `cllclip` before it (its teacher is the original CLIP with
 the original tokenizer, snapshotted at the first task start, before any growth).
@@ -159,14 +159,13 @@ class GrowVocab(ContinualMethod):
         return {name: list(entry["ids"]) for name, entry in self.history.items()}
 
     def on_task_start(self, context: TaskContext) -> None:
-        tokenizer = context.extras["tokenizer"]
+        tokenizer = context.tokenizer
         tokenizer = self._grow_context(context, tokenizer)
         name = context.task.name
         if name in self.config.skip_languages:
             self._record(context, tokenizer, [], [], {}, {})
-            context.extras["tokenizer"] = tokenizer
-            context.extras["new_token_ids"] = []
-            return None
+            context.replace_tokenizer(tokenizer, [])
+            return
         texts = column_texts(context.task.train, "texts")
         protect = self._protected_texts(context)
         language_bpe = train_language_bpe(
@@ -179,9 +178,7 @@ class GrowVocab(ContinualMethod):
         self._record(context, grown, new_ids, tokens, stats.to_dict() | {"init": init_stats}, report)
         logger.info("grow_vocab, task %d (%s): %d -> %d tokens, %s", context.task_index, name, len(tokenizer),
                     len(grown), report.get("languages", {}).get(name, {}))
-        context.extras["tokenizer"] = grown
-        context.extras["new_token_ids"] = list(new_ids)
-        return None
+        context.replace_tokenizer(grown, list(new_ids))
 
     # ----- steps -------------------------------------------------------------------------------------------
     def _grow_context(self, context: TaskContext, tokenizer: Any) -> Any:
@@ -197,8 +194,8 @@ class GrowVocab(ContinualMethod):
         tokenizer = copy_tokenizer(tokenizer)  # never change the caller's tokenizer object
         seed = self.config.seed if self.config.seed is not None else context.seed
         set_context_length(context.model, tokenizer, length, init=self.config.position_init, seed=seed)  # type: ignore[arg-type]
-        if context.extras.get("max_length") == current:
-            context.extras["max_length"] = length
+        if context.max_length == current:
+            context.max_length = length
         return tokenizer
 
     def _protected_texts(self, context: TaskContext) -> list[str] | None:
