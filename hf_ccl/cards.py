@@ -25,6 +25,7 @@ import jinja2
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from . import __version__
+from .callbacks import StreamControl, StreamState, TaskCallback
 from .evaluation.matrix import DERIVED_DESCRIPTIONS, INITIAL_LABEL, RESULTS_JSON, ResultsMatrix
 
 logger = logging.getLogger(__name__)
@@ -467,3 +468,11 @@ def write_model_card(checkpoint_dir: str | Path, repo_id: str | None = None) -> 
     path = folder / CARD_FILE
     card.save(path)
     return path
+
+
+class ModelCardCallback(TaskCallback):
+    """Writes the model card (`README.md`, and the heatmap) into every task checkpoint, from its files."""
+
+    def on_save(self, args: Any, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
+        if kwargs["task_folder"]:
+            write_model_card(kwargs["folder"], repo_id=args.hub_model_id)

@@ -26,11 +26,19 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from . import __version__
-from .config import available_recipes, load_config, recipe_description, resolve_config, where_given
+from .config import (
+    available_recipes,
+    config_keys_help,
+    load_config,
+    recipe_description,
+    resolve_config,
+    where_given,
+)
 from .validation import ConfigError, redact_secrets
 
 if TYPE_CHECKING:
     from .config import RunConfig
+    from .run import CheckedRun
 
 EXIT_FAILED = 1  # the run failed; the message says why
 EXIT_REFUSED = 2  # the command or the config was refused before anything was built or written (argparse's code)
@@ -66,13 +74,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help=debug_help)
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser(
-        "train", help="Run a continual stream and print the results matrix.", epilog=EXIT_CODES,
+        "train", help="Run a continual stream and print the results matrix.",
+        epilog=f"{config_keys_help()}\n\n{EXIT_CODES}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("--config", help="a shipped recipe by name (see `hf-ccl list`) or a YAML file; default: the "
                        "built-in defaults")
     train.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
-    train.add_argument("overrides", nargs="*", help="config overrides key=value, e.g. training.num_train_epochs=1")
+    train.add_argument("overrides", nargs="*", help="config overrides key=value (the keys below), e.g. "
+                       "training.num_train_epochs=1")
     commands.add_parser("list", help="List the shipped recipes, the named streams and the methods.")
     push = commands.add_parser(
         "push", help="Push a run's task checkpoints to the Hub (e.g. those a run could not push).", epilog=EXIT_CODES,
@@ -122,29 +132,29 @@ def list_main() -> int:
     return 0
 
 
-def prepare(config_path: str | None, overrides: list[str]) -> RunConfig:
-    """The run's config, every value and choice checked (nothing is built or written)."""
+def prepare(config_path: str | None, overrides: list[str]) -> CheckedRun:
+    """The run's config, every value and choice checked once, with the loop's arguments and the methods that the
+    checks built (no data is read, nothing is written)."""
     from .run import check_config
 
     config = load_config(config_path, overrides)
     try:
-        check_config(config)
+        return check_config(config)
     except ValueError as error:  # name where the value was given
         source = resolve_config(config_path) if config_path else None
         key = getattr(error, "key", None)
         raise ConfigError(f"{error} ({where_given(key, source, overrides)})", key) from error
-    return config
 
 
-def execute(config: RunConfig) -> int:
-    """Run a checked config and print the results matrix."""
+def execute(checked: CheckedRun) -> int:
+    """Run a checked config (as it was checked) and print the results matrix."""
     from .distributed import is_main_process
     from .run import run
 
-    results = run(config)
+    results = run(checked)
     if is_main_process():
         print(results.to_markdown())
-        print(f"\nCheckpoints and results: {config.output_dir}")
+        print(f"\nCheckpoints and results: {checked.config.output_dir}")
     return 0
 
 
@@ -154,22 +164,22 @@ def train_main(config_path: str | None, overrides: list[str]) -> int:
 
 
 def _train_command(config_path: str | None, overrides: list[str], debug: bool) -> int:
-    config = None
+    checked = None
     with stop_signals_interrupt():
         try:
-            config = prepare(config_path, overrides)
-            return execute(config)
+            checked = prepare(config_path, overrides)
+            return execute(checked)
         except KeyboardInterrupt as error:
-            _report_interrupt(error, config, config_path, overrides, debug)
+            _report_interrupt(error, None if checked is None else checked.config, config_path, overrides, debug)
             return EXIT_SIGNAL_BASE + getattr(error, "signum", signal.SIGINT)
         except Exception as error:
-            full = None if config is None else disk_full(error, config.output_dir)
+            full = None if checked is None else disk_full(error, checked.config.output_dir)
             if full is not None:  # a full disk surfaces as whatever the writer raised (torch: "unexpected pos")
                 _report_error(OSError(f"{full}; the write failed with: {error}"), debug, error)
                 return EXIT_FAILED
             if isinstance(error, USER_ERRORS):
                 _report_error(error, debug)
-                return EXIT_REFUSED if config is None else EXIT_FAILED
+                return EXIT_REFUSED if checked is None else EXIT_FAILED
             _print(_traceback(error))  # a bug: its traceback, always (with tokens redacted)
             return EXIT_FAILED
 

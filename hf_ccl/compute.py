@@ -15,6 +15,7 @@ encoded once more (`hf_ccl.accumulation`: features without gradients first, then
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,6 +23,10 @@ from typing import Any
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
+
+from .accumulation import REENCODE_PASSES
+from .callbacks import StreamControl, StreamState, TaskCallback
+from .distributed import world_size
 
 COMPUTE_FILE = "compute.json"
 BACKWARD_FACTOR = 3.0  # forward + backward ≈ 3 forward passes
@@ -92,3 +97,46 @@ def compute_summary(records: list[TaskCompute]) -> str:
     total = sum(r.samples_seen for r in records)
     lines.append(f"  total: {total:,} samples, {sum(r.macs for r in records):.2e} MACs")
     return "\n".join(lines)
+
+
+def global_batch_size(training: dict[str, Any]) -> int:
+    """Examples per optimizer step over all processes."""
+    per_device = int(training.get("per_device_train_batch_size", 8))
+    accumulation = int(training.get("gradient_accumulation_steps", 1))
+    return per_device * accumulation * world_size()
+
+
+def measured_forward_macs(model: torch.nn.Module, collator: Any, dataset: Any) -> float:
+    """Forward MACs per example of `model`, measured on two training examples of `dataset` (map-style or streaming);
+    the collator's sampler state is restored, so measuring changes nothing."""
+    state = collator.state_dict()
+    rows = list(itertools.islice(iter(dataset), 2))
+    batch = collator(rows)
+    collator.load_state_dict(state)
+    return forward_macs_per_sample(model, batch)
+
+
+class ComputeCallback(TaskCallback):
+    """Counts the samples and MACs of every trained task; `compute.json` in every checkpoint and the run folder."""
+
+    def __init__(self) -> None:
+        self.records: list[TaskCompute] = []
+        self._macs_per_sample = 0.0
+
+    def on_train_begin(self, args: Any, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
+        self._macs_per_sample = measured_forward_macs(kwargs["learner"].model, kwargs["collator"],
+                                                      kwargs["train_dataset"])
+
+    def on_task_trained(self, args: Any, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
+        trainer, methods = kwargs["trainer"], kwargs["learner"].methods
+        passes = sum(method.extra_forward_passes for method in methods)
+        if trainer.args.gradient_accumulation_steps > 1:
+            passes += REENCODE_PASSES
+        self.records.append(task_compute(kwargs["context"].task.name, trainer.state.global_step,
+                                         global_batch_size(trainer.args.to_dict()), self._macs_per_sample, passes))
+
+    def on_save(self, args: Any, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
+        save_compute(self.records, kwargs["folder"])
+
+    def on_restore(self, args: Any, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
+        self.records = load_compute(kwargs["folder"])

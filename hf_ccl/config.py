@@ -5,13 +5,16 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
+from .continual import ContinualArguments
 from .modeling import tiny_clip_config
 from .validation import (
     ConfigError,
@@ -19,12 +22,10 @@ from .validation import (
     check_mapping,
     check_range,
     check_value,
+    describe,
     known_keys,
     type_hints,
 )
-
-if TYPE_CHECKING:
-    from .continual import ContinualArguments
 
 
 def _default_training() -> dict[str, Any]:
@@ -39,9 +40,44 @@ def _default_training() -> dict[str, Any]:
     }
 
 
+#: The config's own defaults of loop fields, where the loop has none or a run needs another: a run folder, and a
+#: training section that trains the tiny default CLIP. (A YAML file's `training` section extends these defaults.)
+CONFIG_DEFAULTS: dict[str, Callable[[], Any]] = {"output_dir": lambda: "outputs/run", "training": _default_training}
+
+
+def with_loop_fields(cls: type) -> type:
+    """Class decorator, applied before `@dataclass`: add every init field of `ContinualArguments` to `cls` after
+    its own fields, with the loop's type, default (`CONFIG_DEFAULTS` replaces one) and help. A field of the loop
+    without a default becomes a required keyword. A field of `cls` that has the name of a loop field is an error:
+    it would hide the loop's field."""
+    annotations = dict(cls.__dict__.get("__annotations__", {}))
+    hints = type_hints(ContinualArguments)
+    for item in dataclasses.fields(ContinualArguments):
+        if not item.init:
+            continue
+        if item.name in annotations:
+            raise TypeError(f"{cls.__name__}.{item.name} would hide ContinualArguments.{item.name}: rename it")
+        if item.name in CONFIG_DEFAULTS:
+            spec: Any = field(default_factory=CONFIG_DEFAULTS[item.name], metadata=item.metadata)
+        elif item.default is not dataclasses.MISSING:
+            spec = field(default=item.default, metadata=item.metadata)
+        elif item.default_factory is not dataclasses.MISSING:
+            spec = field(default_factory=item.default_factory, metadata=item.metadata)
+        else:
+            spec = field(kw_only=True, metadata=item.metadata)
+        annotations[item.name] = hints[item.name]
+        setattr(cls, item.name, spec)
+    cls.__annotations__ = annotations
+    return cls
+
+
 @dataclass
+@with_loop_fields
 class RunConfig:
-    """Everything a continual run needs. Every field can be overridden on the command line (`training.seed=3`)."""
+    """Everything a continual run needs: the stream, the model and the methods (the fields below), then every field
+    of `ContinualArguments` (the loop's arguments: output_dir, training, seed, ...; added by `with_loop_fields`, so a
+    new loop field is a config key with nothing to copy). Every field is a YAML key and can be overridden on the
+    command line (`training.learning_rate=1e-3`); `hf-ccl train --help` lists them."""
 
     stream: str | dict[str, Any] = field(
         default="digits",
@@ -63,60 +99,15 @@ class RunConfig:
     tokenizer: str | None = field(
         default=None, metadata={"help": "Tokenizer name or path; default the checkpoint's, else the real CLIP BPE."}
     )
-    output_dir: str = field(default="outputs/run", metadata={"help": "Run folder (task checkpoints, results)."})
-    seed: int = field(default=0, metadata={"help": "Seed of model init, data order and sampling."})
-    training: dict[str, Any] = field(
-        default_factory=_default_training, metadata={"help": "transformers.TrainingArguments fields, for every task."}
-    )
-    first_task_epochs: float | None = field(default=None, metadata={"help": "Epochs of the first task."})
-    eval_batch_size: int = field(default=256, metadata={"help": "Batch size of evaluation."})
-    max_length: int | None = field(default=None, metadata={"help": "Token limit; default the model's context."})
-    progress: bool = field(default=True, metadata={"help": "Progress bars."})
-    spatial_disorder_task: int | None = field(
-        default=None, metadata={"help": "Mod-X spatial-disorder diagnostics on this task's eval split; None: off."}
-    )
-
-    samples_per_task: int | None = field(
-        default=None, metadata={"help": "Compute budget: training samples per task (sets max_steps); None: epochs."}
-    )
-    evaluate_initial: bool = field(default=True, metadata={"help": "Evaluate the model before the first task."})
-    warmup: str = field(default="every_task", metadata={"help": "'every_task' or 'first_task' (TiC-CLIP)."})
-    resume_from_checkpoint: bool | str | None = field(
-        default=None,
-        metadata={"help": "true: continue from the last complete task (local, else Hub); 'auto': same, or start "
-                  "afresh; a path: that checkpoint."},
-    )
-    hub_model_id: str | None = field(
-        default=None, metadata={"help": "Push every task to this Hub repo (main + branch task-<k>); token from HF_TOKEN."}
-    )
-    hub_private_repo: bool = field(default=False, metadata={"help": "Create the Hub repo as private."})
-    hub_timeout: float = field(default=60.0, metadata={"help": "Seconds before a Hub request is abandoned."})
-    hub_retries: int = field(default=3, metadata={"help": "Retries with backoff of a failing Hub request."})
-    hub_retry_backoff: float = field(default=1.0, metadata={"help": "First backoff delay in seconds (doubles)."})
-    save_checkpoints: bool = field(
-        default=True, metadata={"help": "Write output_dir/task-<k>/ after every task (false: results only)."}
-    )
-    overwrite_output_dir: bool = field(
-        default=False, metadata={"help": "Replace another run's files in output_dir (else such a folder is refused)."}
-    )
-    keep_trainer_checkpoints: bool = field(
-        default=False, metadata={"help": "Keep a finished task's mid-task Trainer checkpoints (trainer/task-<k>/)."}
-    )
-    card_license: str | None = field(
-        default=None, metadata={"help": "License id in the model card (e.g. apache-2.0); default 'other'."}
-    )
-    resume_allow_changes: list[str] = field(
-        default_factory=list,
-        metadata={"help": "Settings (dotted keys) that may differ from the checkpoint resumed from; recorded."},
-    )
 
     def __post_init__(self) -> None:
         self.validate()
 
-    def validate(self) -> None:
-        """Check the type of every value and the range of every option the run shares with `ContinualArguments`
-        (the `training` section included). Streams, methods and paths are checked by `hf_ccl.run.check_config`,
-        before anything is built."""
+    def validate(self) -> ContinualArguments:
+        """Check the type of every value, the model section, and every loop field as `ContinualArguments` checks it
+        (ranges, consistency, the `training` section); converted values are stored back. Returns the loop's
+        arguments so checked. Streams, methods and paths are checked by `hf_ccl.run.check_config`, before anything
+        is built."""
         if isinstance(self.methods, str):
             self.methods = [self.methods]
         if isinstance(self.method_args, dict):  # `name:` with no options reads as null in YAML
@@ -134,12 +125,11 @@ class RunConfig:
                               "remove one of them (override model.config={} to keep the checkpoint)")
         args = self.continual_arguments()  # ranges and the training section; converted values come back
         for name in continual_fields():
-            setattr(self, name, getattr(args, name))
+            setattr(self, name, copy.deepcopy(getattr(args, name)))
+        return args
 
     def continual_arguments(self) -> ContinualArguments:
-        """The `ContinualArguments` of this run: every field the two share, by name."""
-        from .continual import ContinualArguments
-
+        """The `ContinualArguments` of this run (a copy of every loop field, checked)."""
         return ContinualArguments(**{name: copy.deepcopy(getattr(self, name)) for name in continual_fields()})
 
     def to_dict(self) -> dict[str, Any]:
@@ -150,11 +140,8 @@ MODEL_KEYS = ("pretrained", "config")
 
 
 def continual_fields() -> list[str]:
-    """The `ContinualArguments` fields a `RunConfig` sets (every one it has)."""
-    from .continual import ContinualArguments
-
-    own = set(config_fields())
-    return [f.name for f in dataclasses.fields(ContinualArguments) if f.init and f.name in own]
+    """The loop's fields, each a `RunConfig` field too (`with_loop_fields`), in `ContinualArguments`' order."""
+    return [item.name for item in dataclasses.fields(ContinualArguments) if item.init]
 
 
 def check_model_config(values: dict[str, Any]) -> None:
@@ -171,7 +158,39 @@ def check_model_config(values: dict[str, Any]) -> None:
 
 
 def config_fields() -> list[str]:
+    """Every config key: the run's own, then the loop's."""
     return [f.name for f in dataclasses.fields(RunConfig)]
+
+
+def required_fields() -> list[str]:
+    """Config keys without a default (a loop field that has none and no `CONFIG_DEFAULTS` entry)."""
+    return [f.name for f in dataclasses.fields(RunConfig)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+
+
+def default_value(item: dataclasses.Field) -> Any:
+    """The default of a config field (`dataclasses.MISSING` when it has none)."""
+    if item.default_factory is not dataclasses.MISSING:
+        return item.default_factory()
+    return item.default
+
+
+def config_keys_help(width: int = 100) -> str:
+    """Every config key with what it takes, its default and its help, for `hf-ccl train --help`."""
+    hints = type_hints(RunConfig)
+    lines = ["config keys (YAML keys of --config, or overrides key=value / section.key=value):"]
+    for item in dataclasses.fields(RunConfig):
+        default = default_value(item)
+        shown = "required" if default is dataclasses.MISSING else f"default {yaml_text(default)}"
+        lines.append(f"  {item.name}: {describe(hints[item.name])} ({shown})")
+        lines += textwrap.wrap(item.metadata.get("help", ""), width, initial_indent=" " * 6, subsequent_indent=" " * 6,
+                               break_on_hyphens=False)
+    return "\n".join(lines)
+
+
+def yaml_text(value: Any) -> str:
+    """A value as one line of YAML (`null`, `[]`, `{num_train_epochs: 8, ...}`)."""
+    return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=10**6).strip().removesuffix("...").strip()
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -276,8 +295,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         values = read_yaml(source)
     known_keys(values, config_fields(), "config key(s)", str(source or ""), listing="valid keys")
     if "training" in values and isinstance(values["training"] or {}, dict):  # it extends the defaults
-        values["training"] = {**_default_training(), **(values["training"] or {})}
+        values["training"] = {**CONFIG_DEFAULTS["training"](), **(values["training"] or {})}
     values = apply_overrides(values, overrides or [])
+    missing = [name for name in required_fields() if name not in values]
+    if missing:
+        raise ConfigError(f"Missing config key(s) {missing} ({where_given(None, source, overrides or [])})")
     try:
         return RunConfig(**values)
     except ConfigError as error:

@@ -16,10 +16,7 @@ the interrupted task itself resumes from its last one. A finished task is never 
 
 from __future__ import annotations
 
-import itertools
-import json
 import logging
-import os
 import shutil
 import warnings
 from dataclasses import dataclass, field
@@ -28,63 +25,49 @@ from typing import Any
 
 import torch
 from accelerate import PartialState
-from huggingface_hub import snapshot_download
-from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError, RevisionNotFoundError
+from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
-from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import (
-    AutoTokenizer,
-    CLIPProcessor,
     PreTrainedTokenizerBase,
     TrainerCallback,
     TrainingArguments,
 )
-from transformers.trainer_utils import load_sharded_checkpoint
 
-from . import __version__
-from .accumulation import REENCODE_PASSES
-from .cards import write_model_card
-from .checkpoint_files import CheckpointError, checkpoint_is_complete, verify_checkpoint, write_manifest
-from .compute import TaskCompute, forward_macs_per_sample, load_compute, save_compute, task_compute
+from . import checkpointing
+from .callbacks import StreamControl, StreamState, TaskCallback, TaskCallbackHandler
+from .cards import ModelCardCallback
+from .checkpointing import (  # noqa: F401  (re-exported: public names of this module before they moved)
+    CHECKPOINT_STATE,
+    latest_task_checkpoint,
+    load_model_weights,
+    newest_complete_trainer_checkpoint,
+)
+from .compute import ComputeCallback, TaskCompute, global_batch_size
 from .data.collate import CLIPCollator
 from .data.streaming import column_names, is_empty, is_streaming, whole_batches
 from .data.task import CANONICAL_COLUMNS, TaskStream
-from .distributed import barrier, broadcast_object, is_main_process, world_size
-from .evaluation.evaluator import evaluate_task, iter_column
+from .distributed import barrier, broadcast_object, is_main_process
+from .evaluation.evaluator import evaluate_task
 from .evaluation.matrix import ResultsMatrix
-from .evaluation.spatial_disorder import (
-    DisorderEmbeddings,
-    SpatialDisorder,
-    embed_for_disorder,
-    plot_spatial_disorder,
-    spatial_disorder,
-)
-from .evaluation.zeroshot import DEFAULT_TEMPLATES
+from .evaluation.spatial_disorder import SpatialDisorderCallback
 from .hub import (
-    HubPusher,
+    HubPushCallback,
     PushReport,
-    bounded_hub_timeouts,
-    download_task_checkpoint,
     ensure_branch,
-    task_branches,
 )
 from .methods.base import ContinualMethod, TaskContext
 from .methods.registry import check_methods
-from .methods.state import load_method_states, save_method_states
 from .modeling import ContinualCLIPModel
-from .resume_settings import UNCOMPARED_TRAINING, allowed, describe_diff, run_settings, settings_diff
+from .resume_settings import run_settings
 from .run_folder import RunFolderLock, claim_run_folder
 from .stream_logging import StreamLogger, reporting_callbacks
-from .tokenization import resize_position_embeddings
-from .trainer import MID_TASK_STATE, ContinualTrainer
+from .trainer import ContinualTrainer
 from .training_options import check_training_args
 from .validation import ConfigError, check_choice, check_dataclass, check_range
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_STATE = "continual_state.json"
-DISORDER_REFERENCE = "spatial_disorder_reference.safetensors"
 #: Branch the Trainer's own pushes go to (`training.push_to_hub`): its latest checkpoint in `last-checkpoint/`.
 TRAINING_BRANCH = "training"
 WARMUP_RULES = ("every_task", "first_task")
@@ -267,7 +250,9 @@ def _check_streaming_budget(
 class ContinualLearner:
     """Train one model on a stream of tasks, one after another, and keep the task-by-task results matrix.
 
-    `callbacks` (transformers `TrainerCallback`s) are given to every task's Trainer.
+    `callbacks` (transformers `TrainerCallback`s) are given to every task's Trainer; `task_callbacks`
+    (`hf_ccl.callbacks.TaskCallback`s) get the stream's events, after the built-in ones (compute accounting,
+    spatial disorder, model cards, Hub pushes).
     """
 
     def __init__(
@@ -279,6 +264,7 @@ class ContinualLearner:
         tokenizer: PreTrainedTokenizerBase,
         args: ContinualArguments,
         callbacks: list[TrainerCallback] | None = None,
+        task_callbacks: list[TaskCallback] | None = None,
     ):
         validate_stream(stream, args)
         check_methods(methods, args.samples_per_task)
@@ -298,16 +284,37 @@ class ContinualLearner:
         )
         if args.spatial_disorder_task is not None and not 0 <= args.spatial_disorder_task < len(stream):
             raise ValueError(f"spatial_disorder_task must index a task of the stream (0..{len(stream) - 1})")
-        self.disorder: dict[str, SpatialDisorder] = {}
-        self._disorder_reference: DisorderEmbeddings | None = None
-        self.pusher: HubPusher | None = None
-        self.push_report: PushReport | None = None
-        self.compute: list[TaskCompute] = []  # samples seen and MACs per trained task
+        self.task_callbacks = TaskCallbackHandler(
+            [ComputeCallback(), SpatialDisorderCallback(), ModelCardCallback(), HubPushCallback()]
+        )
+        self.task_callbacks.add(list(task_callbacks or []))
+        self.state = StreamState(num_tasks=len(stream))
+        self.control = StreamControl()
         self.global_step = 0  # optimizer steps over the stream so far: the step `training.report_to` logs at
         self.stream_logger: StreamLogger | None = None  # one logging run per fit()
         self.settings = run_settings(args, stream, methods)  # what a resume must match (before anything runs)
         self.resume_changes: list[dict[str, Any]] = []  # settings changed on purpose at a resume
         self._lock: RunFolderLock | None = None
+
+    @property
+    def compute(self) -> list[TaskCompute]:
+        """Samples seen and MACs of every trained task (`ComputeCallback`)."""
+        return self.task_callbacks.get(ComputeCallback).records
+
+    @property
+    def push_report(self) -> PushReport | None:
+        """What the Hub pushes of the last `fit()` did (None without `hub_model_id`)."""
+        return self.task_callbacks.get(HubPushCallback).report
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Whether task checkpoints are written (asked for, or needed for the Hub pushes)."""
+        return self.args.save_checkpoints or self.args.hub_model_id is not None
+
+    def event(self, name: str, **kwargs: Any) -> None:
+        """Call task event `name` on every task callback, with this learner and the stream's state."""
+        self.state.global_step = self.global_step
+        self.task_callbacks.call(name, self.args, self.state, self.control, learner=self, **kwargs)
 
     @property
     def max_length(self) -> int:
@@ -342,38 +349,38 @@ class ContinualLearner:
 
     def _fit(self) -> ResultsMatrix:
         self.stream_logger = StreamLogger(self.args.training.get("report_to"), self.output_dir, self.callbacks)
-        resumed = self._find_resume_checkpoint()
+        self.state, self.control = StreamState(num_tasks=len(self.stream)), StreamControl()
+        resumed = checkpointing.find_resume_checkpoint(self)
         if resumed is not None:
             first_task = self.restore(resumed) + 1
-            last_checkpoint: Path | None = resumed
+            self.state.resumed_from = self.state.last_checkpoint = resumed
         else:
-            first_task, last_checkpoint = 0, None
+            first_task = 0
             if self.args.evaluate_initial:
                 self.results.add_row("initial", self.evaluate())
                 self.stream_logger.log_results(self.results, "initial", step=0)
-            if self.args.spatial_disorder_task is not None and is_main_process():
-                self._disorder_reference = self._embed_for_disorder()
-        self.pusher = self._make_pusher()
+        error: BaseException | None = None
         try:
-            self._run_tasks(first_task, last_checkpoint)
-            self._save_run_files()  # current even when a finished run was resumed
+            self.event("on_stream_begin")
+            self._run_tasks(first_task)
+            checkpointing.save_run_files(self)  # current even when a finished run was resumed
             self.stream_logger.end(self.global_step, model=self.model)
-        finally:  # even when a task fails, the finished tasks' pushes complete (bounded by timeouts and retries)
-            if self.pusher is not None:
-                self.push_report = self.pusher.finish()
-                if self.push_report.failed:
-                    logger.warning("%d task revision(s) could not be pushed to %s (see push_report; `hf-ccl push` "
-                                   "pushes a run's checkpoints again)", len(self.push_report.failed),
-                                   self.args.hub_model_id)
+        except BaseException as raised:
+            error = raised
+            raise
+        finally:  # the Hub pushes of the finished tasks complete even when a task failed
+            self.event("on_stream_end", error=error)
         return self.results
 
-    def _run_tasks(self, first_task: int, last_checkpoint: Path | None) -> None:
+    def _run_tasks(self, first_task: int) -> None:
         bar = tqdm(total=len(self.stream), desc=f"stream {self.stream.name}", disable=not self.args.progress)
         bar.update(first_task)
         for index, task in enumerate(self.stream):
             if index < first_task:
                 continue
             bar.set_postfix_str(task.name)
+            self.state.task_index, self.state.task_name = index, task.name
+            last = self.state.last_checkpoint
             context = TaskContext(
                 task_index=index,
                 task=task,
@@ -388,134 +395,42 @@ class ContinualLearner:
                 samples_per_task=self.args.samples_per_task,
                 base_training=dict(self.args.training),  # as configured, before budget and warmup rules
                 run_settings=self.settings,  # stored in mid-task checkpoints, compared on resume
-                last_checkpoint=str(last_checkpoint) if last_checkpoint else None,
+                last_checkpoint=str(last) if last else None,
             )
+            self.event("on_task_begin", context=context)
             self._start_task(context)
-            self._train_task(context)
+            trainer = self._train_task(context)
             for method in self.methods:
                 self._take_changes(context, method.after_training(context), method, "after_training")
-            self.results.add_row(task.name, self.evaluate())
+            self.event("on_task_trained", context=context, trainer=trainer)
+            metrics = self.evaluate()
+            self.results.add_row(task.name, metrics)
+            self.event("on_task_evaluated", context=context, metrics=metrics)
             self.stream_logger.log_results(self.results, task.name, self.global_step, self.compute)
-            if self._disorder_reference is not None:
-                self._measure_disorder(task.name)
             for method in self.methods:
                 method.on_task_end(context)
-            if self.args.save_checkpoints or self.pusher is not None:
-                last_checkpoint = self.save_checkpoint(index)
-                if self.pusher is not None:
-                    self.pusher.push(last_checkpoint, index)
-                if not self.args.keep_trainer_checkpoints and is_main_process():
-                    shutil.rmtree(self.output_dir / "trainer" / f"task-{index}", ignore_errors=True)
+            self.event("on_task_end", context=context)
+            if self.writes_checkpoints:
+                self.state.last_checkpoint = self.save_checkpoint(index)
+                if is_main_process():
+                    self.event("on_checkpoint_saved", folder=self.state.last_checkpoint)
+                    if not self.args.keep_trainer_checkpoints:
+                        shutil.rmtree(self.output_dir / "trainer" / f"task-{index}", ignore_errors=True)
             bar.update(1)
+            if broadcast_object(self.control.should_stop if is_main_process() else None):
+                logger.info("A task callback stopped the stream after task %d (%s)", index, task.name)
+                break
         bar.close()
 
-    # ----- Hub -------------------------------------------------------------------------------------------------
-    def _make_pusher(self) -> HubPusher | None:
-        """The background pusher of task checkpoints (main process only; None without `hub_model_id`)."""
-        self.push_report: PushReport | None = None
-        if self.args.hub_model_id is None or not is_main_process():
-            return None
-        return HubPusher(
-            self.args.hub_model_id,
-            private=self.args.hub_private_repo,
-            timeout=self.args.hub_timeout,
-            retries=self.args.hub_retries,
-            backoff=self.args.hub_retry_backoff,
-        )
-
-    # ----- resume ----------------------------------------------------------------------------------------------
-    def _find_resume_checkpoint(self) -> Path | None:
-        """The task checkpoint folder to continue from, or None to start from the first task."""
-        request = self.args.resume_from_checkpoint
-        if request in (None, False):
-            return None
-        if isinstance(request, str) and request != "auto":
-            path = Path(request)
-            if (path / CHECKPOINT_STATE).exists():
-                return path
-            found = latest_task_checkpoint(path)
-            if found is None:
-                raise ValueError(f"resume_from_checkpoint={request!r}: no complete task checkpoint (a task-<k>/ folder "
-                                 f"with {CHECKPOINT_STATE}) there")
-            return found
-        found = latest_task_checkpoint(self.output_dir)
-        if found is None and self.args.hub_model_id is not None:
-            found = self._download_latest_from_hub()
-        if found is None and request is True and broadcast_object(
-                newest_complete_trainer_checkpoint(self.output_dir / "trainer" / "task-0") if is_main_process() else None):
-            logger.info("No task checkpoint yet in %s: task 0 resumes from its Trainer checkpoint", self.output_dir)
-            return None
-        if found is None and request is True:
-            where = str(self.output_dir) + (f" or on the Hub at {self.args.hub_model_id}" if self.args.hub_model_id
-                                            else "")
-            raise ValueError(f"resume_from_checkpoint=True but there is no complete task checkpoint in {where}; use "
-                             "'auto' to start afresh when there is none")
-        return found
-
-    def _download_latest_from_hub(self) -> Path | None:
-        """Fetch the newest `task-<k>` revision of `hub_model_id` into output_dir (main process; others wait)."""
-        repo = self.args.hub_model_id
-        bounded_hub_timeouts(self.args.hub_timeout)  # the download gets bounded timeouts too
-        branches = task_branches(repo)
-        if not branches:
-            return None
-        index = max(branches)
-        folder = self.output_dir / f"task-{index}"
-        if is_main_process():
-            logger.info("Resuming from %s revision task-%d", repo, index)
-            download_task_checkpoint(repo, index, folder)
-        barrier()
-        if not (folder / CHECKPOINT_STATE).exists():
-            raise ValueError(f"Revision task-{index} of {repo} has no {CHECKPOINT_STATE}: not an hf_ccl task checkpoint")
-        return folder  # verified by `restore`, like a local one
+    # ----- checkpoints (hf_ccl.checkpointing) -------------------------------------------------------------
+    def save_checkpoint(self, index: int) -> Path:
+        """Write `output_dir/task-<index>/` atomically (main process; see `hf_ccl.checkpointing`)."""
+        return checkpointing.save_checkpoint(self, index)
 
     def restore(self, folder: str | Path) -> int:
-        """Load a task checkpoint written by `save_checkpoint`: model weights, tokenizer (if it grew), every method's
-        state, the results so far. Returns the index of the task it was written after. Every problem is an error
-        naming the file, never a silent fresh start."""
-        folder = Path(folder)
-        try:
-            verify_checkpoint(folder)
-        except CheckpointError as error:
-            raise CheckpointError(f"{error}. Remove {folder} to resume from the task before it, or restore the "
-                                  "file") from error
-        state = _read_json(folder / CHECKPOINT_STATE)
-        index = int(state["task_index"])
-        names = self.stream.task_names
-        if state.get("task_names") != names:
-            raise ValueError(f"{folder / CHECKPOINT_STATE} was written for tasks {state.get('task_names')}, but this "
-                             f"stream has {names}: resume with the same stream")
-        methods = [method.name for method in self.methods]
-        if state.get("methods") != methods:
-            raise ValueError(f"{folder / CHECKPOINT_STATE} was written with methods {state.get('methods')}, but this "
-                             f"run has {methods}: resume with the same methods")
-        self._check_settings(state, folder / CHECKPOINT_STATE, index)
-        tokenizer_file = folder / "tokenizer_config.json"
-        if tokenizer_file.exists():
-            saved = AutoTokenizer.from_pretrained(str(folder))
-            if len(saved) != len(self.tokenizer):
-                self.tokenizer = saved
-        load_model_weights(self.model, folder)
-        self.model.align_special_tokens(self.tokenizer)
-        load_method_states(self.methods, folder)
-        try:
-            self.results = ResultsMatrix.load(folder)
-        except (OSError, ValueError, KeyError) as error:
-            raise ValueError(f"Cannot read the results matrix in {folder}: {error}") from error
-        self.compute = load_compute(folder)
-        # (checkpoints written before `global_step` was stored: the compute records hold every task's steps)
-        self.global_step = int(state.get("global_step", sum(record.optimizer_steps for record in self.compute)))
-        trained = [row.label for row in self.results.rows if row.label != "initial"]
-        if len(trained) != index + 1:
-            raise ValueError(f"{folder} holds {len(trained)} trained rows in results.json, expected {index + 1}")
-        disorder = folder / DISORDER_REFERENCE
-        if self.args.spatial_disorder_task is not None and disorder.exists():
-            tensors = _load_safetensors(disorder)
-            self._disorder_reference = DisorderEmbeddings(tensors["images"], tensors["texts"], tensors["correct"])
-            saved = _read_json(folder / "spatial_disorder.json") if (folder / "spatial_disorder.json").exists() else {}
-            self.disorder = {label: SpatialDisorder.from_dict(value) for label, value in saved.items()}
-        logger.info("Resumed after task %d (%s) from %s", index, state.get("task_name"), folder)
-        return index
+        """Load a task checkpoint: model, tokenizer, method states, results, the callbacks' state. Returns the index
+        of the task it was written after."""
+        return checkpointing.restore(self, folder)
 
     def _start_task(self, context: TaskContext) -> None:
         """Task-start hooks. A hook may assign `context.model` and call `context.replace_tokenizer` (a vocabulary
@@ -611,7 +526,7 @@ class ContinualLearner:
             )
         return steps
 
-    def _train_task(self, context: TaskContext) -> None:
+    def _train_task(self, context: TaskContext) -> ContinualTrainer:
         training_args = self._training_arguments(context)  # once per task: the methods' overrides run here
         options: dict[str, Any] = {}
         for method in self.methods:
@@ -639,105 +554,11 @@ class ContinualLearner:
             callbacks=self.callbacks,
         )
         self.stream_logger.attach(trainer, offset=self.global_step)
-        macs_per_sample = self._forward_macs(collator, train_dataset)
-        trainer.train(resume_from_checkpoint=self._mid_task_checkpoint(trainer.args, context.task_index))
+        self.event("on_train_begin", context=context, trainer=trainer, collator=collator, train_dataset=train_dataset)
+        trainer.train(resume_from_checkpoint=checkpointing.mid_task_checkpoint(self, trainer.args, context.task_index))
         context.log_history = trainer.state.log_history
         self.global_step += trainer.state.global_step
-        self.compute.append(task_compute(
-            context.task.name, trainer.state.global_step, global_batch_size(trainer.args.to_dict()), macs_per_sample,
-            sum(method.extra_forward_passes for method in self.methods)
-            + (REENCODE_PASSES if training_args.gradient_accumulation_steps > 1 else 0.0),
-        ))
-
-    def _forward_macs(self, collator: CLIPCollator, dataset: Any) -> float:
-        """Forward MACs per example of the model being trained, measured on two training examples (the collator's
-        sampler state is restored, so measuring changes nothing)."""
-        state = collator.state_dict()
-        rows = list(itertools.islice(iter(dataset), 2))  # map-style or streaming (IterableDataset)
-        batch = collator(rows)
-        collator.load_state_dict(state)
-        return forward_macs_per_sample(self.model, batch)
-
-    def _mid_task_checkpoint(self, training_args: TrainingArguments, task_index: int) -> str | None:
-        """The interrupted task's last Trainer checkpoint when resuming (it needs `save_strategy`): the local one,
-        else (with `training.push_to_hub`) the `last-checkpoint/` the Trainer pushed to the `training` branch, when
-        it belongs to this task. None: the task starts from its beginning."""
-        if self.args.resume_from_checkpoint in (None, False):
-            return None
-        trainer_dir = Path(training_args.output_dir)
-        found = newest_complete_trainer_checkpoint(trainer_dir) if is_main_process() else None
-        found = broadcast_object(found)
-        if found is None and training_args.push_to_hub:
-            found = self._download_training_checkpoint(training_args, trainer_dir, task_index)
-        if found is not None:
-            task = _read_json(Path(found) / MID_TASK_STATE / "task.json")
-            if task.get("task_index") != task_index:
-                raise ValueError(f"Trainer checkpoint {found} was written during task {task.get('task_index')}, not "
-                                 f"task {task_index}")
-            if "settings" in task:
-                self._check_settings(task, Path(found) / MID_TASK_STATE / "task.json", task_index - 1)
-        return found
-
-    def _download_training_checkpoint(
-        self, training_args: TrainingArguments, trainer_dir: Path, task_index: int
-    ) -> str | None:
-        """Fetch `last-checkpoint/` from the Trainer's Hub branch into trainer_dir (main process; others wait); None
-        when there is none or it was written during another (earlier) task."""
-        target = trainer_dir / "checkpoint-hub"
-        if is_main_process():
-            try:
-                snapshot_download(training_args.hub_model_id, revision=training_args.hub_revision,
-                                  allow_patterns=["last-checkpoint/*"], local_dir=str(target))
-            except (RepositoryNotFoundError, RevisionNotFoundError):
-                pass
-        barrier()
-        folder = target / "last-checkpoint"
-        if not (folder / MID_TASK_STATE).is_dir():
-            return None
-        try:  # the manifest the Trainer pushed with it (`ContinualTrainer._push_from_checkpoint`)
-            verify_checkpoint(folder, legacy_required=("trainer_state.json", f"{MID_TASK_STATE}/task.json"))
-        except CheckpointError as error:
-            logger.warning("The Trainer checkpoint on the Hub is damaged (%s): task %d starts from its beginning",
-                           error, task_index)
-            return None
-        task = _read_json(folder / MID_TASK_STATE / "task.json").get("task_index")
-        return str(folder) if task == task_index else None
-
-    def _check_settings(self, saved: dict[str, Any], source: Path, after_task: int) -> None:
-        """Refuse a resume whose settings differ from those `saved` (a checkpoint's state), except the keys of
-        `resume_allow_changes`, which are recorded. Checkpoints without `settings` (older hf_ccl) are compared on
-        the keys they stored."""
-        settings = saved.get("settings")
-        if settings is None:
-            legacy = {"seed": saved.get("seed"), "methods": saved.get("methods"),
-                      "method_args": saved.get("method_configs"), "first_task_epochs": saved.get("first_task_epochs"),
-                      "training": {k: v for k, v in (saved.get("training") or {}).items()
-                                   if k in self.settings["training"] or k not in UNCOMPARED_TRAINING}}
-            settings = {key: value for key, value in legacy.items() if key in saved or key == "method_args"}
-            now = {key: self.settings[key] for key in settings}
-        else:
-            now = self.settings
-        changes = settings_diff(settings, now)
-        refused = [change for change in changes if not allowed(change[0], self.args.resume_allow_changes)]
-        if refused:
-            described, keys = describe_diff(refused)
-            raise ConfigError(
-                f"{source} was written with other settings than this run's (saved -> now): {described}. Resume with "
-                f"the same settings, or allow these changes with resume_allow_changes=[{', '.join(keys)}]",
-                "resume_from_checkpoint")
-        self.resume_changes = list(saved.get("resume_changes", []))
-        recorded = {(change["key"], json.dumps(change["now"])) for change in self.resume_changes}
-        for key, old, new in changes:
-            if (key, json.dumps(new)) not in recorded:
-                self.resume_changes.append({"after_task": after_task, "key": key, "saved": old, "now": new})
-                logger.warning("Resuming after task %d with %s changed: %r -> %r (allowed)", after_task, key, old, new)
-
-    def _save_run_files(self) -> None:
-        """The run folder's results, compute and disorder files, as in the last task checkpoint."""
-        if is_main_process() and (self.args.save_checkpoints or self.pusher is not None):
-            self.results.save(self.output_dir)
-            save_compute(self.compute, self.output_dir)
-            self._save_disorder(self.output_dir)
+        return trainer
 
     # ----- evaluation and checkpoints ---------------------------------------------------------------------
     def evaluate(self) -> dict[str, dict[str, float]]:
@@ -755,159 +576,3 @@ class ContinualLearner:
                 )
         barrier()
         return metrics
-
-    def _disorder_dataset(self):  # noqa: ANN202 (datasets.Dataset)
-        return self.stream[self.args.spatial_disorder_task].eval
-
-    def _embed_for_disorder(self) -> DisorderEmbeddings:
-        dataset = self._disorder_dataset()
-        return embed_for_disorder(
-            self.model, iter_column(dataset, "image"), list(iter_column(dataset, "texts")), self.image_processor,
-            self.tokenizer, self.args.eval_batch_size, self.max_length,
-        )
-
-    def _measure_disorder(self, label: str) -> None:
-        """Spatial disorder of the current model against the initial one (main process only)."""
-        current = self._embed_for_disorder()
-        reference = self._disorder_reference
-        self.disorder[f"initial -> {label}"] = spatial_disorder(
-            reference.images, reference.texts, current.images, current.texts, reference.correct
-        )
-
-    def _save_disorder(self, folder: Path) -> None:
-        if not self.disorder:
-            return
-        payload = {label: result.to_dict() for label, result in self.disorder.items()}
-        (folder / "spatial_disorder.json").write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
-        try:
-            plot_spatial_disorder(self.disorder, folder / "spatial_disorder.png")
-        except ImportError:
-            logger.info("matplotlib is not installed: spatial_disorder.png not written")
-
-    def save_checkpoint(self, index: int) -> Path:
-        """Write `output_dir/task-<index>/` atomically (a `.partial` folder renamed at the end); main process only."""
-        final = self.output_dir / f"task-{index}"
-        if is_main_process():
-            partial = self.output_dir / f"task-{index}.partial"
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
-            self.model.save_pretrained(partial)
-            CLIPProcessor(image_processor=self.image_processor, tokenizer=self.tokenizer).save_pretrained(partial)
-            self.image_processor.save_pretrained(partial)  # preprocessor_config.json too, for older transformers
-            save_method_states(self.methods, partial)
-            self.results.save(partial)
-            save_compute(self.compute, partial)
-            self._save_disorder(partial)
-            if self._disorder_reference is not None:
-                reference = self._disorder_reference
-                save_file({"images": reference.images.contiguous(), "texts": reference.texts.contiguous(),
-                           "correct": reference.correct.contiguous()}, str(partial / DISORDER_REFERENCE))
-            state = {
-                "task_index": index,
-                "task_name": self.stream[index].name,
-                "stream": self.stream.name,
-                "task_names": self.stream.task_names,
-                "task_sources": [task.source for task in self.stream],
-                "methods": [method.name for method in self.methods],
-                "method_configs": {method.name: method.config.to_dict() for method in self.methods},
-                "base_model": self.base_model,
-                "seed": self.args.seed,
-                "training": self.args.training,
-                "first_task_epochs": self.args.first_task_epochs,
-                "global_step": self.global_step,
-                "hf_ccl_version": __version__,
-                "settings": self.settings,
-                "resume_changes": self.resume_changes,
-                "card_license": self.args.card_license,
-                "evaluation": [evaluation_protocol(task) for task in self.stream],
-            }
-            (partial / CHECKPOINT_STATE).write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
-            write_model_card(partial, repo_id=self.args.hub_model_id)
-            write_manifest(partial)  # last: a folder without it was cut short
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(partial, final)
-        self._save_run_files()
-        barrier()
-        return final
-
-
-# ----- checkpoint helpers ------------------------------------------------------------------------------------------
-def latest_task_checkpoint(run_dir: str | Path) -> Path | None:
-    """The complete `task-<k>/` folder (one with `continual_state.json`) with the highest k in `run_dir`, or None.
-    `.partial` folders (a save that was interrupted) are ignored."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        return None
-    found = []
-    for child in run_dir.iterdir():
-        name = child.name
-        if child.is_dir() and name.startswith("task-") and name[5:].isdigit() and (child / CHECKPOINT_STATE).exists():
-            found.append((int(name[5:]), child))
-    return max(found)[1] if found else None
-
-
-def evaluation_protocol(task: Any) -> dict[str, Any]:
-    """What the model card says of how a task is evaluated: its kind, eval rows, classes and prompt templates."""
-    return {"task": task.name, "kind": task.kind, "split": "eval", "examples": len(task.eval),
-            "classes": len(task.class_names) if task.class_names else None,
-            "templates": len(task.eval_templates or DEFAULT_TEMPLATES) if task.kind == "classification" else None}
-
-
-def newest_complete_trainer_checkpoint(trainer_dir: Path) -> str | None:
-    """The newest `checkpoint-<n>/` under `trainer_dir` whose manifest verifies; newer ones that do not (cut short
-    by a kill or a full disk, damaged) are removed with a warning. None when there is none."""
-    if not trainer_dir.is_dir():
-        return None
-    candidates = [p for p in trainer_dir.iterdir() if p.is_dir() and p.name.startswith("checkpoint-")
-                  and p.name[len("checkpoint-"):].isdigit()]
-    for folder in sorted(candidates, key=lambda p: int(p.name[len("checkpoint-"):]), reverse=True):
-        if checkpoint_is_complete(folder):
-            return str(folder)
-        logger.warning("Trainer checkpoint %s is incomplete or damaged: removed; resuming from an earlier one", folder)
-        shutil.rmtree(folder, ignore_errors=True)
-    return None
-
-
-def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
-    """Load a checkpoint's weights into `model` (strict), growing the token embedding (and the text position embedding)
-    first if the vocabulary (or the context) grew."""
-    index_file = folder / "model.safetensors.index.json"
-    if index_file.exists():
-        load_sharded_checkpoint(model, str(folder), strict=True)
-        return
-    weights = folder / "model.safetensors"
-    if not weights.exists():
-        raise ValueError(f"Checkpoint {folder} has no model.safetensors (incomplete download or copy?)")
-    state = _load_safetensors(weights)
-    embedding = model.get_input_embeddings().weight
-    saved_rows = next((t.shape[0] for k, t in state.items() if k.endswith("token_embedding.weight")), None)
-    if saved_rows is not None and saved_rows != embedding.shape[0]:
-        model.resize_token_embeddings(saved_rows)
-    saved_positions = state.get("text_model.embeddings.position_embedding.weight")
-    if saved_positions is not None and saved_positions.shape[0] > model.config.text_config.max_position_embeddings:
-        resize_position_embeddings(model, saved_positions.shape[0])  # a context grown by `grow_vocab`
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("position_ids")]
-    if missing or unexpected:
-        raise ValueError(f"{weights} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-
-
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(str(path))
-    except Exception as error:  # safetensors raises its own error types for truncated or corrupt files
-        raise ValueError(f"Cannot read {path} (truncated or corrupt?): {error}") from error
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"Cannot read {path} (truncated or corrupt?): {error}") from error
-
-
-def global_batch_size(training: dict[str, Any]) -> int:
-    """Examples per optimizer step over all processes."""
-    per_device = int(training.get("per_device_train_batch_size", 8))
-    accumulation = int(training.get("gradient_accumulation_steps", 1))
-    return per_device * accumulation * world_size()

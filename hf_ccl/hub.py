@@ -29,7 +29,9 @@ from huggingface_hub import HfApi, snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 from huggingface_hub.utils import _http as hub_http
 
+from .callbacks import TaskCallback
 from .checkpoint_files import verify_checkpoint
+from .distributed import is_main_process
 
 logger = logging.getLogger(__name__)
 
@@ -301,3 +303,32 @@ def download_task_checkpoint(repo_id: str, task_index: int, local_dir: str | Pat
     path = Path(snapshot_download(repo_id, revision=TASK_BRANCH.format(index=task_index), local_dir=str(local_dir)))
     verify_checkpoint(path)  # every file against the manifest pushed with it
     return path
+
+
+class HubPushCallback(TaskCallback):
+    """Pushes every task checkpoint to `args.hub_model_id` in the background (main process; `main` and branch
+    `task-<k>`, with `hub_timeout`, `hub_retries` and `hub_retry_backoff`); at the stream's end it waits for the
+    pushes and keeps their `report`."""
+
+    def __init__(self) -> None:
+        self.pusher: HubPusher | None = None
+        self.report: PushReport | None = None
+
+    def on_stream_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.report = None
+        if args.hub_model_id is not None and is_main_process():
+            self.pusher = HubPusher(args.hub_model_id, private=args.hub_private_repo, timeout=args.hub_timeout,
+                                    retries=args.hub_retries, backoff=args.hub_retry_backoff)
+
+    def on_checkpoint_saved(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.pusher is not None:
+            self.pusher.push(kwargs["folder"], state.task_index)
+
+    def on_stream_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Even when a task failed, the finished tasks' pushes complete (bounded by timeouts and retries)."""
+        if self.pusher is None:
+            return
+        self.report, self.pusher = self.pusher.finish(), None
+        if self.report.failed:
+            logger.warning("%d task revision(s) could not be pushed to %s (see push_report; `hf-ccl push` pushes a "
+                           "run's checkpoints again)", len(self.report.failed), args.hub_model_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ from transformers import CLIPImageProcessorPil, PreTrainedTokenizerBase
 
 from .compute import compute_summary
 from .config import RunConfig, save_config
-from .continual import ContinualLearner
+from .continual import ContinualArguments, ContinualLearner
 from .data.builders import check_builder_options
 from .data.collate import load_image_processor, load_tokenizer
 from .data.named import NAMED_STREAMS, build_stream, check_stream_options
@@ -22,7 +23,7 @@ from .data.task import TaskStream
 from .distributed import is_main_process
 from .evaluation.matrix import ResultsMatrix
 from .hub import PushFailedError
-from .methods import build_methods, check_methods
+from .methods import ContinualMethod, build_methods, check_methods
 from .modeling import ContinualCLIPModel, tiny_clip_config
 from .validation import ConfigError, check_mapping, type_hints
 
@@ -61,15 +62,28 @@ def build_run_stream(config: RunConfig) -> TaskStream:
     return build_stream(config.stream, data_root=config.data_root, seed=config.seed, **config.stream_args)
 
 
-def check_config(config: RunConfig, check_paths: bool = True) -> None:
+@dataclass
+class CheckedRun:
+    """A config that passed every check made before a run (`check_config`), with what the checks built: the loop's
+    arguments and the methods. `run` takes it as it is: nothing is checked or built twice."""
+
+    config: RunConfig
+    args: ContinualArguments
+    methods: list[ContinualMethod]
+
+
+def check_config(config: RunConfig, check_paths: bool = True) -> CheckedRun:
     """Everything a run is asked to do, checked before any data is read, model built or file written: every value of
     the config (types, ranges, the training section; again, in case it changed since it was made), the stream and its
-    options, the methods, their options and their combination, and (`check_paths`) the local paths."""
-    config.validate()
+    options, the methods, their options and their combination, and (`check_paths`) the local paths. Returns the
+    checked run, with its `ContinualArguments` and its methods built."""
+    args = config.validate()
     check_stream(config)
-    check_methods(build_methods(config.methods, config.method_args), config.samples_per_task)
+    methods = build_methods(config.methods, config.method_args)
+    check_methods(methods, args.samples_per_task)
     if check_paths:
         check_local_paths(config)
+    return CheckedRun(config, args, methods)
 
 
 def check_stream(config: RunConfig) -> None:
@@ -150,15 +164,16 @@ def looks_local(value: str) -> bool:
     return False
 
 
-def run(config: RunConfig) -> ResultsMatrix:
-    """Build stream, model, processors and methods from `config`, run the stream, return the results matrix."""
-    check_config(config)  # everything is checked before the stream is built or anything is written
-    args = config.continual_arguments()
-    methods = build_methods(config.methods, config.method_args)
+def run(config: RunConfig | CheckedRun) -> ResultsMatrix:
+    """Build stream, model and processors, run the stream with the checked methods and arguments, return the results
+    matrix. A `RunConfig` is checked first (`check_config`); a `CheckedRun` is run as it was checked."""
+    # everything is checked before the stream is built or anything is written
+    checked = config if isinstance(config, CheckedRun) else check_config(config)
+    config = checked.config
     stream = build_run_stream(config)
     model = load_model(config)
     image_processor, tokenizer = load_processors(config, model)
-    learner = ContinualLearner(model, stream, methods, image_processor, tokenizer, args)
+    learner = ContinualLearner(model, stream, checked.methods, image_processor, tokenizer, checked.args)
     learner.claim_output_dir()  # locked, and not another run's folder, before anything is written there
     if is_main_process():
         save_config(config, Path(config.output_dir) / "run_config.yaml")

@@ -19,6 +19,8 @@ tasks many texts are identical, which makes the text statistics less informative
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -27,10 +29,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
+from ..callbacks import TaskCallback
+from ..distributed import is_main_process
 from .encode import encode_images, encode_texts
 from .evaluator import iter_column
 from .retrieval import captions_to_text_to_image, hit_rate, image_to_text_rank_counts
+
+logger = logging.getLogger(__name__)
 
 #: Inner bin edges in degrees; bins are [0, e0], (e0, e1], ..., (e_last, 180] (Fig. 2c, Tab. 1, Tab. 5).
 SAM_EDGES: tuple[float, ...] = (5.0, 10.0, 15.0, 20.0)
@@ -336,3 +343,65 @@ def plot_spatial_disorder(
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
     return path
+
+
+REFERENCE_FILE = "spatial_disorder_reference.safetensors"
+RESULTS_FILE = "spatial_disorder.json"
+
+
+class SpatialDisorderCallback(TaskCallback):
+    """Mod-X's spatial-disorder diagnostics during a run (`args.spatial_disorder_task`): the initial model's
+    embeddings of that task's eval split are the reference, and after every task the current model is compared
+    with it. Written to `spatial_disorder.json` (and `.png`) in every checkpoint and the run folder; the reference
+    is kept in each checkpoint, so a resumed run goes on comparing with the same one."""
+
+    def __init__(self) -> None:
+        self.reference: DisorderEmbeddings | None = None
+        self.results: dict[str, SpatialDisorder] = {}
+
+    def _embed(self, args: Any, learner: Any) -> DisorderEmbeddings:
+        dataset = learner.stream[args.spatial_disorder_task].eval
+        return embed_for_disorder(
+            learner.model, iter_column(dataset, "image"), list(iter_column(dataset, "texts")),
+            learner.image_processor, learner.tokenizer, args.eval_batch_size, learner.max_length,
+        )
+
+    def on_stream_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if args.spatial_disorder_task is not None and state.resumed_from is None and is_main_process():
+            self.reference = self._embed(args, kwargs["learner"])
+
+    def on_task_evaluated(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.reference is None:
+            return
+        current, reference = self._embed(args, kwargs["learner"]), self.reference
+        self.results[f"initial -> {state.task_name}"] = spatial_disorder(
+            reference.images, reference.texts, current.images, current.texts, reference.correct
+        )
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        folder = Path(kwargs["folder"])
+        if self.results:
+            payload = {label: result.to_dict() for label, result in self.results.items()}
+            (folder / RESULTS_FILE).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+            try:
+                plot_spatial_disorder(self.results, folder / "spatial_disorder.png")
+            except ImportError:
+                logger.info("matplotlib is not installed: spatial_disorder.png not written")
+        if kwargs["task_folder"] and self.reference is not None:
+            reference = self.reference
+            save_file({"images": reference.images.contiguous(), "texts": reference.texts.contiguous(),
+                       "correct": reference.correct.contiguous()}, str(folder / REFERENCE_FILE))
+
+    def on_restore(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        folder = Path(kwargs["folder"])
+        if args.spatial_disorder_task is None or not (folder / REFERENCE_FILE).exists() or not is_main_process():
+            return
+        try:
+            tensors = load_file(str(folder / REFERENCE_FILE))
+            saved = json.loads((folder / RESULTS_FILE).read_text(encoding="utf-8")) \
+                if (folder / RESULTS_FILE).exists() else {}
+        except Exception as error:  # safetensors raises its own error types for truncated or corrupt files
+            raise ValueError(f"Cannot read the spatial-disorder files in {folder} (truncated or corrupt?): "
+                             f"{error}") from error
+        self.reference = DisorderEmbeddings(tensors["images"], tensors["texts"], tensors["correct"])
+        self.results = {label: SpatialDisorder.from_dict(value) for label, value in saved.items()}

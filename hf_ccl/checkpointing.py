@@ -1,0 +1,340 @@
+"""Task checkpoints: writing `output_dir/task-<k>/` and resuming a run from one (local, or the Hub's newest `task-<k>`
+revision), and the interrupted task's own Trainer checkpoint.
+
+A task checkpoint holds the model, the processor and tokenizer, every method's state, the results so far, the
+callbacks' files (compute, spatial disorder, the model card) and `continual_state.json`; `checkpoint_manifest.json`
+comes last (a folder without it was cut short) and is verified on resume. A resume must match the saved settings
+(`resume_allow_changes` lets named changes through, and records them).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+from safetensors.torch import load_file
+from transformers import AutoTokenizer, CLIPProcessor, TrainingArguments
+from transformers.trainer_utils import load_sharded_checkpoint
+
+from . import __version__
+from .checkpoint_files import CheckpointError, checkpoint_is_complete, verify_checkpoint, write_manifest
+from .distributed import barrier, broadcast_object, is_main_process
+from .evaluation.matrix import ResultsMatrix
+from .evaluation.zeroshot import DEFAULT_TEMPLATES
+from .hub import bounded_hub_timeouts, download_task_checkpoint, task_branches
+from .methods.state import load_method_states, save_method_states
+from .resume_settings import UNCOMPARED_TRAINING, allowed, describe_diff, settings_diff
+from .tokenization import resize_position_embeddings
+from .trainer import MID_TASK_STATE
+from .validation import ConfigError
+
+if TYPE_CHECKING:
+    from .continual import ContinualLearner
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_STATE = "continual_state.json"
+
+
+# ----- resume ------------------------------------------------------------------------------------------------------
+def find_resume_checkpoint(learner: ContinualLearner) -> Path | None:
+    """The task checkpoint folder to continue from, or None to start from the first task."""
+    request = learner.args.resume_from_checkpoint
+    if request in (None, False):
+        return None
+    if isinstance(request, str) and request != "auto":
+        path = Path(request)
+        if (path / CHECKPOINT_STATE).exists():
+            return path
+        found = latest_task_checkpoint(path)
+        if found is None:
+            raise ValueError(f"resume_from_checkpoint={request!r}: no complete task checkpoint (a task-<k>/ folder "
+                             f"with {CHECKPOINT_STATE}) there")
+        return found
+    found = latest_task_checkpoint(learner.output_dir)
+    if found is None and learner.args.hub_model_id is not None:
+        found = download_latest_from_hub(learner)
+    if found is None and request is True and broadcast_object(
+            newest_complete_trainer_checkpoint(learner.output_dir / "trainer" / "task-0") if is_main_process() else None):
+        logger.info("No task checkpoint yet in %s: task 0 resumes from its Trainer checkpoint", learner.output_dir)
+        return None
+    if found is None and request is True:
+        where = str(learner.output_dir) + (f" or on the Hub at {learner.args.hub_model_id}" if learner.args.hub_model_id
+                                        else "")
+        raise ValueError(f"resume_from_checkpoint=True but there is no complete task checkpoint in {where}; use "
+                         "'auto' to start afresh when there is none")
+    return found
+
+
+def download_latest_from_hub(learner: ContinualLearner) -> Path | None:
+    """Fetch the newest `task-<k>` revision of `hub_model_id` into output_dir (main process; others wait)."""
+    repo = learner.args.hub_model_id
+    bounded_hub_timeouts(learner.args.hub_timeout)  # the download gets bounded timeouts too
+    branches = task_branches(repo)
+    if not branches:
+        return None
+    index = max(branches)
+    folder = learner.output_dir / f"task-{index}"
+    if is_main_process():
+        logger.info("Resuming from %s revision task-%d", repo, index)
+        download_task_checkpoint(repo, index, folder)
+    barrier()
+    if not (folder / CHECKPOINT_STATE).exists():
+        raise ValueError(f"Revision task-{index} of {repo} has no {CHECKPOINT_STATE}: not an hf_ccl task checkpoint")
+    return folder  # verified by `restore`, like a local one
+
+
+def restore(learner: ContinualLearner, folder: str | Path) -> int:
+    """Load a task checkpoint written by `save_checkpoint`: model weights, tokenizer (if it grew), every method's
+    state, the results so far. Returns the index of the task it was written after. Every problem is an error
+    naming the file, never a silent fresh start."""
+    folder = Path(folder)
+    try:
+        verify_checkpoint(folder)
+    except CheckpointError as error:
+        raise CheckpointError(f"{error}. Remove {folder} to resume from the task before it, or restore the "
+                              "file") from error
+    state = _read_json(folder / CHECKPOINT_STATE)
+    index = int(state["task_index"])
+    names = learner.stream.task_names
+    if state.get("task_names") != names:
+        raise ValueError(f"{folder / CHECKPOINT_STATE} was written for tasks {state.get('task_names')}, but this "
+                         f"stream has {names}: resume with the same stream")
+    methods = [method.name for method in learner.methods]
+    if state.get("methods") != methods:
+        raise ValueError(f"{folder / CHECKPOINT_STATE} was written with methods {state.get('methods')}, but this "
+                         f"run has {methods}: resume with the same methods")
+    check_settings(learner, state, folder / CHECKPOINT_STATE, index)
+    tokenizer_file = folder / "tokenizer_config.json"
+    if tokenizer_file.exists():
+        saved = AutoTokenizer.from_pretrained(str(folder))
+        if len(saved) != len(learner.tokenizer):
+            learner.tokenizer = saved
+    load_model_weights(learner.model, folder)
+    learner.model.align_special_tokens(learner.tokenizer)
+    load_method_states(learner.methods, folder)
+    try:
+        learner.results = ResultsMatrix.load(folder)
+    except (OSError, ValueError, KeyError) as error:
+        raise ValueError(f"Cannot read the results matrix in {folder}: {error}") from error
+    learner.event("on_restore", folder=folder)
+    # (checkpoints written before `global_step` was stored: the compute records hold every task's steps)
+    learner.global_step = int(state.get("global_step", sum(record.optimizer_steps for record in learner.compute)))
+    trained = [row.label for row in learner.results.rows if row.label != "initial"]
+    if len(trained) != index + 1:
+        raise ValueError(f"{folder} holds {len(trained)} trained rows in results.json, expected {index + 1}")
+    logger.info("Resumed after task %d (%s) from %s", index, state.get("task_name"), folder)
+    return index
+
+
+def mid_task_checkpoint(learner: ContinualLearner, training_args: TrainingArguments, task_index: int) -> str | None:
+    """The interrupted task's last Trainer checkpoint when resuming (it needs `save_strategy`): the local one,
+    else (with `training.push_to_hub`) the `last-checkpoint/` the Trainer pushed to the `training` branch, when
+    it belongs to this task. None: the task starts from its beginning."""
+    if learner.args.resume_from_checkpoint in (None, False):
+        return None
+    trainer_dir = Path(training_args.output_dir)
+    found = newest_complete_trainer_checkpoint(trainer_dir) if is_main_process() else None
+    found = broadcast_object(found)
+    if found is None and training_args.push_to_hub:
+        found = download_training_checkpoint(learner, training_args, trainer_dir, task_index)
+    if found is not None:
+        task = _read_json(Path(found) / MID_TASK_STATE / "task.json")
+        if task.get("task_index") != task_index:
+            raise ValueError(f"Trainer checkpoint {found} was written during task {task.get('task_index')}, not "
+                             f"task {task_index}")
+        if "settings" in task:
+            check_settings(learner, task, Path(found) / MID_TASK_STATE / "task.json", task_index - 1)
+    return found
+
+
+def download_training_checkpoint(learner: ContinualLearner, training_args: TrainingArguments, trainer_dir: Path, task_index: int
+) -> str | None:
+    """Fetch `last-checkpoint/` from the Trainer's Hub branch into trainer_dir (main process; others wait); None
+    when there is none or it was written during another (earlier) task."""
+    target = trainer_dir / "checkpoint-hub"
+    if is_main_process():
+        try:
+            snapshot_download(training_args.hub_model_id, revision=training_args.hub_revision,
+                              allow_patterns=["last-checkpoint/*"], local_dir=str(target))
+        except (RepositoryNotFoundError, RevisionNotFoundError):
+            pass
+    barrier()
+    folder = target / "last-checkpoint"
+    if not (folder / MID_TASK_STATE).is_dir():
+        return None
+    try:  # the manifest the Trainer pushed with it (`ContinualTrainer._push_from_checkpoint`)
+        verify_checkpoint(folder, legacy_required=("trainer_state.json", f"{MID_TASK_STATE}/task.json"))
+    except CheckpointError as error:
+        logger.warning("The Trainer checkpoint on the Hub is damaged (%s): task %d starts from its beginning",
+                       error, task_index)
+        return None
+    task = _read_json(folder / MID_TASK_STATE / "task.json").get("task_index")
+    return str(folder) if task == task_index else None
+
+
+def check_settings(learner: ContinualLearner, saved: dict[str, Any], source: Path, after_task: int) -> None:
+    """Refuse a resume whose settings differ from those `saved` (a checkpoint's state), except the keys of
+    `resume_allow_changes`, which are recorded. Checkpoints without `settings` (older hf_ccl) are compared on
+    the keys they stored."""
+    settings = saved.get("settings")
+    if settings is None:
+        legacy = {"seed": saved.get("seed"), "methods": saved.get("methods"),
+                  "method_args": saved.get("method_configs"), "first_task_epochs": saved.get("first_task_epochs"),
+                  "training": {k: v for k, v in (saved.get("training") or {}).items()
+                               if k in learner.settings["training"] or k not in UNCOMPARED_TRAINING}}
+        settings = {key: value for key, value in legacy.items() if key in saved or key == "method_args"}
+        now = {key: learner.settings[key] for key in settings}
+    else:
+        now = learner.settings
+    changes = settings_diff(settings, now)
+    refused = [change for change in changes if not allowed(change[0], learner.args.resume_allow_changes)]
+    if refused:
+        described, keys = describe_diff(refused)
+        raise ConfigError(
+            f"{source} was written with other settings than this run's (saved -> now): {described}. Resume with "
+            f"the same settings, or allow these changes with resume_allow_changes=[{', '.join(keys)}]",
+            "resume_from_checkpoint")
+    learner.resume_changes = list(saved.get("resume_changes", []))
+    recorded = {(change["key"], json.dumps(change["now"])) for change in learner.resume_changes}
+    for key, old, new in changes:
+        if (key, json.dumps(new)) not in recorded:
+            learner.resume_changes.append({"after_task": after_task, "key": key, "saved": old, "now": new})
+            logger.warning("Resuming after task %d with %s changed: %r -> %r (allowed)", after_task, key, old, new)
+
+
+# ----- writing -----------------------------------------------------------------------------------------------------
+def save_run_files(learner: ContinualLearner) -> None:
+    """The run folder's results (and the callbacks' files: compute, disorder), as in the last task checkpoint."""
+    if is_main_process() and learner.writes_checkpoints:
+        learner.results.save(learner.output_dir)
+        learner.event("on_save", folder=learner.output_dir, task_folder=False)
+
+
+
+def save_checkpoint(learner: ContinualLearner, index: int) -> Path:
+    """Write `output_dir/task-<index>/` atomically (a `.partial` folder renamed at the end); main process only."""
+    final = learner.output_dir / f"task-{index}"
+    if is_main_process():
+        partial = learner.output_dir / f"task-{index}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        learner.model.save_pretrained(partial)
+        CLIPProcessor(image_processor=learner.image_processor, tokenizer=learner.tokenizer).save_pretrained(partial)
+        learner.image_processor.save_pretrained(partial)  # preprocessor_config.json too, for older transformers
+        save_method_states(learner.methods, partial)
+        learner.results.save(partial)
+        state = {
+            "task_index": index,
+            "task_name": learner.stream[index].name,
+            "stream": learner.stream.name,
+            "task_names": learner.stream.task_names,
+            "task_sources": [task.source for task in learner.stream],
+            "methods": [method.name for method in learner.methods],
+            "method_configs": {method.name: method.config.to_dict() for method in learner.methods},
+            "base_model": learner.base_model,
+            "seed": learner.args.seed,
+            "training": learner.args.training,
+            "first_task_epochs": learner.args.first_task_epochs,
+            "global_step": learner.global_step,
+            "hf_ccl_version": __version__,
+            "settings": learner.settings,
+            "resume_changes": learner.resume_changes,
+            "card_license": learner.args.card_license,
+            "evaluation": [evaluation_protocol(task) for task in learner.stream],
+        }
+        (partial / CHECKPOINT_STATE).write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
+        learner.event("on_save", folder=partial, task_folder=True)  # compute, disorder, the model card
+        write_manifest(partial)  # last: a folder without it was cut short
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+    save_run_files(learner)
+    barrier()
+    return final
+
+# ----- files ----------------------------------------------------------------------------------------------------
+def latest_task_checkpoint(run_dir: str | Path) -> Path | None:
+    """The complete `task-<k>/` folder (one with `continual_state.json`) with the highest k in `run_dir`, or None.
+    `.partial` folders (a save that was interrupted) are ignored."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return None
+    found = []
+    for child in run_dir.iterdir():
+        name = child.name
+        if child.is_dir() and name.startswith("task-") and name[5:].isdigit() and (child / CHECKPOINT_STATE).exists():
+            found.append((int(name[5:]), child))
+    return max(found)[1] if found else None
+
+
+
+def evaluation_protocol(task: Any) -> dict[str, Any]:
+    """What the model card says of how a task is evaluated: its kind, eval rows, classes and prompt templates."""
+    return {"task": task.name, "kind": task.kind, "split": "eval", "examples": len(task.eval),
+            "classes": len(task.class_names) if task.class_names else None,
+            "templates": len(task.eval_templates or DEFAULT_TEMPLATES) if task.kind == "classification" else None}
+
+
+
+def newest_complete_trainer_checkpoint(trainer_dir: Path) -> str | None:
+    """The newest `checkpoint-<n>/` under `trainer_dir` whose manifest verifies; newer ones that do not (cut short
+    by a kill or a full disk, damaged) are removed with a warning. None when there is none."""
+    if not trainer_dir.is_dir():
+        return None
+    candidates = [p for p in trainer_dir.iterdir() if p.is_dir() and p.name.startswith("checkpoint-")
+                  and p.name[len("checkpoint-"):].isdigit()]
+    for folder in sorted(candidates, key=lambda p: int(p.name[len("checkpoint-"):]), reverse=True):
+        if checkpoint_is_complete(folder):
+            return str(folder)
+        logger.warning("Trainer checkpoint %s is incomplete or damaged: removed; resuming from an earlier one", folder)
+        shutil.rmtree(folder, ignore_errors=True)
+    return None
+
+
+
+def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
+    """Load a checkpoint's weights into `model` (strict), growing the token embedding (and the text position embedding)
+    first if the vocabulary (or the context) grew."""
+    index_file = folder / "model.safetensors.index.json"
+    if index_file.exists():
+        load_sharded_checkpoint(model, str(folder), strict=True)
+        return
+    weights = folder / "model.safetensors"
+    if not weights.exists():
+        raise ValueError(f"Checkpoint {folder} has no model.safetensors (incomplete download or copy?)")
+    state = _load_safetensors(weights)
+    embedding = model.get_input_embeddings().weight
+    saved_rows = next((t.shape[0] for k, t in state.items() if k.endswith("token_embedding.weight")), None)
+    if saved_rows is not None and saved_rows != embedding.shape[0]:
+        model.resize_token_embeddings(saved_rows)
+    saved_positions = state.get("text_model.embeddings.position_embedding.weight")
+    if saved_positions is not None and saved_positions.shape[0] > model.config.text_config.max_position_embeddings:
+        resize_position_embeddings(model, saved_positions.shape[0])  # a context grown by `grow_vocab`
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("position_ids")]
+    if missing or unexpected:
+        raise ValueError(f"{weights} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except Exception as error:  # safetensors raises its own error types for truncated or corrupt files
+        raise ValueError(f"Cannot read {path} (truncated or corrupt?): {error}") from error
+
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"Cannot read {path} (truncated or corrupt?): {error}") from error
+
