@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from hf_ccl.callbacks import TaskCallback
 from hf_ccl.continual import ContinualArguments, ContinualLearner
 from hf_ccl.data import CLIPCollator, build_stream, load_image_processor
 from hf_ccl.methods import TaskContext, build_methods, load_method_states, save_method_states
@@ -22,7 +23,7 @@ from hf_ccl.methods.ctp_losses import (
     topology_loss,
 )
 from hf_ccl.modeling import ContinualCLIPModel
-from hf_ccl.testing import tiny_clip
+from hf_ccl.testing import TrainingLogRecorder, tiny_clip
 
 
 def _lse(*values: float) -> float:
@@ -372,22 +373,20 @@ def test_real_run_teacher_frozen_terms_logged_state_saved(digits, clip_tokenizer
         training={"max_steps": 3, "per_device_train_batch_size": 16, "logging_steps": 1, "learning_rate": 1e-2},
         progress=False,
     )
-    learner = ContinualLearner(tiny_clip(seed=0), digits, [method], load_image_processor(32), clip_tokenizer, args)
-    logs = []
-    original = learner._train_task
+    class ReferenceUnchangedByTraining(TaskCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.before = _params(method.reference.model) if state.task_index == 1 else None
 
-    def train_and_keep_logs(context):
-        if context.task_index == 1:
-            before = _params(method.reference.model)
-            original(context)
-            after = _params(method.reference.model)
-            assert all(torch.equal(before[name], after[name]) for name in before)  # unchanged by training
-        else:
-            original(context)
-        logs.append([log for log in context.log_history if "loss" in log])
+        def on_task_trained(self, args, state, control, **kwargs):
+            if self.before is not None:
+                after = _params(method.reference.model)
+                assert all(torch.equal(self.before[name], after[name]) for name in self.before)
 
-    learner._train_task = train_and_keep_logs
+    recorder = TrainingLogRecorder()
+    learner = ContinualLearner(tiny_clip(seed=0), digits, [method], load_image_processor(32), clip_tokenizer, args,
+                               task_callbacks=[ReferenceUnchangedByTraining(), recorder])
     learner.fit()
+    logs = [recorder.step_logs(0), recorder.step_logs(1)]
     assert logs[0] and all("loss/ctp/cmc" in log and "loss/ctp/topology_cross" not in log for log in logs[0])
     assert logs[1] and all({"loss/ctp/cmc", "loss/ctp/topology_cross", "loss/ctp/topology_same"} <= set(log)
                            for log in logs[1])

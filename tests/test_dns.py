@@ -228,12 +228,7 @@ def test_unseen_layers_and_bad_options():
 def test_two_task_tiny_clip_run_projects_the_second_task_and_state_round_trips(tmp_path, clip_tokenizer):
     from hf_ccl.continual import ContinualArguments, ContinualLearner
     from hf_ccl.data import build_stream, load_image_processor
-    from hf_ccl.testing import tiny_clip
-
-    class Learner(ContinualLearner):
-        def _train_task(self, context):
-            super()._train_task(context)
-            self.logs = [*getattr(self, "logs", []), context.log_history]
+    from hf_ccl.testing import TrainingLogRecorder, tiny_clip
 
     stream = build_stream("digits", max_train_per_task=32, max_eval_per_task=16)
     stream.tasks = stream.tasks[:2]
@@ -245,13 +240,15 @@ def test_two_task_tiny_clip_run_projects_the_second_task_and_state_round_trips(t
     )
     options = {"dns": {"threshold_mode": "relative", "threshold_in": 1e-3, "threshold_out": 1e-3}}
     methods = build_methods(["dns"], options)
-    learner = Learner(tiny_clip(seed=0), stream, methods, load_image_processor(32), clip_tokenizer, args)
+    recorder = TrainingLogRecorder()
+    learner = ContinualLearner(tiny_clip(seed=0), stream, methods, load_image_processor(32), clip_tokenizer, args,
+                               task_callbacks=[recorder])
     learner.fit()
     method = methods[0]
-    active = [[log["dns/active"] for log in logs if "dns/active" in log] for logs in learner.logs]
+    active = [[log["dns/active"] for log in logs if "dns/active" in log] for logs in recorder.logs]
     assert active[0] and all(value == 0.0 for value in active[0])
     assert active[1] and all(value == 1.0 for value in active[1])
-    removed = [log["dns/removed/visual_projection"] for log in learner.logs[1] if "dns/removed/visual_projection" in log]
+    removed = [log["dns/removed/visual_projection"] for log in recorder.logs[1] if "dns/removed/visual_projection" in log]
     assert removed and max(removed) > 0
     assert method.tasks_seen == 2
     assert method.counts["visual_projection"] == {"in": 64, "out": 64}

@@ -25,7 +25,7 @@ from hf_ccl.methods.regularization import (
 )
 from hf_ccl.methods.si import SI, PathIntegral
 from hf_ccl.methods.state import load_method_states, save_method_states
-from hf_ccl.testing import tiny_clip
+from hf_ccl.testing import TrainingLogRecorder, tiny_clip
 
 
 class _Two(nn.Module):
@@ -325,24 +325,6 @@ def test_mas_importance_is_the_mean_absolute_per_example_gradient():
 
 
 # ----- a real 2-task stream -----------------------------------------------------------------------------------------
-class _Learner(ContinualLearner):
-    """Puts the importance pass's data in the context, as the loop will, and keeps each task's logs."""
-
-    logs: list[list[dict]]
-
-    def _train_dataset(self, context, training_args):
-        dataset = super()._train_dataset(context, training_args)
-        context.train_dataset = dataset
-        context.collator = CLIPCollator(
-            self.image_processor, self.tokenizer, max_length=self.max_length, train=False
-        )
-        return dataset
-
-    def _train_task(self, context):
-        super()._train_task(context)
-        self.logs = [*getattr(self, "logs", []), context.log_history]
-
-
 def test_methods_on_a_real_stream_and_state_round_trip(tmp_path, clip_tokenizer):
     stream = build_stream("digits", max_train_per_task=32, max_eval_per_task=10)
     stream.tasks = stream.tasks[:2]
@@ -366,10 +348,12 @@ def test_methods_on_a_real_stream_and_state_round_trip(tmp_path, clip_tokenizer)
         evaluate_initial=False,
     )
     trained = methods()
-    learner = _Learner(tiny_clip(seed=0), stream, trained, load_image_processor(32), clip_tokenizer, args)
+    recorder = TrainingLogRecorder()
+    learner = ContinualLearner(tiny_clip(seed=0), stream, trained, load_image_processor(32), clip_tokenizer, args,
+                               task_callbacks=[recorder])
     learner.fit()
     for method in ("ewc", "si", "mas"):
-        per_task = [[log[f"loss/{method}/penalty"] for log in logs if "loss" in log] for logs in learner.logs]
+        per_task = [[log[f"loss/{method}/penalty"] for log in logs if "loss" in log] for logs in recorder.logs]
         assert len(per_task[0]) == 3 and all(value == 0.0 for value in per_task[0]), method
         assert per_task[1][0] == 0.0 and max(per_task[1]) > 0.0, method  # θ = θ* before task 1's first step
     for method in trained:

@@ -20,7 +20,7 @@ from hf_ccl.methods.replay import (
     subset_contrastive_loss,
 )
 from hf_ccl.methods.state import load_method_states, save_method_states
-from hf_ccl.testing import tiny_clip
+from hf_ccl.testing import TrainingLogRecorder, tiny_clip
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -308,16 +308,11 @@ def test_three_task_digits_run(tmp_path, digits_stream, clip_tokenizer, method_c
         evaluate_initial=False,
         progress=False,
     )
-    learner = ContinualLearner(tiny_clip(seed=0), digits_stream, [method], load_image_processor(32), clip_tokenizer, args)
-    logs = []
-    original = learner._train_task
-
-    def train_and_keep_logs(context):
-        original(context)
-        logs.append([log for log in context.log_history if "loss" in log])
-
-    learner._train_task = train_and_keep_logs
+    recorder = TrainingLogRecorder()
+    learner = ContinualLearner(tiny_clip(seed=0), digits_stream, [method], load_image_processor(32), clip_tokenizer, args,
+                               task_callbacks=[recorder])
     results = learner.fit()
+    logs = [recorder.step_logs(index) for index in range(3)]
     assert results.num_trained == 3
     assert len(method.buffer) == 16 and method.buffer.num_seen == 3 * 24
     assert set(method.buffer.task_counts()) <= {0, 1, 2}

@@ -6,7 +6,7 @@ import torch
 from hf_ccl.continual import ContinualArguments, ContinualLearner
 from hf_ccl.data import build_stream, load_image_processor
 from hf_ccl.methods import ContinualMethod, build_methods
-from hf_ccl.testing import tiny_clip
+from hf_ccl.testing import TrainingLogRecorder, tiny_clip
 
 
 class _Recorder(ContinualMethod):
@@ -77,16 +77,11 @@ def test_each_loss_term_is_logged(tmp_path, clip_tokenizer):
         output_dir=str(tmp_path), training={"max_steps": 2, "per_device_train_batch_size": 16, "logging_steps": 1},
         progress=False,
     )
-    learner = ContinualLearner(tiny_clip(), stream, [_Recorder()], load_image_processor(32), clip_tokenizer, args)
-    trainer_logs = []
-    original = learner._train_task
-
-    def train_and_keep_logs(context):
-        original(context)
-        trainer_logs.extend(context.log_history)
-
-    learner._train_task = train_and_keep_logs
+    recorder = TrainingLogRecorder()
+    learner = ContinualLearner(tiny_clip(), stream, [_Recorder()], load_image_processor(32), clip_tokenizer, args,
+                               task_callbacks=[recorder])
     learner.fit()
+    trainer_logs = recorder.logs[0]
     step_logs = [log for log in trainer_logs if "loss" in log]
     assert step_logs and all("loss/contrastive" in log and "loss/recorder/l2" in log for log in step_logs)
     assert all(log["recorder/half"] == 0.5 for log in step_logs)  # metrics() are logged, not added to the loss

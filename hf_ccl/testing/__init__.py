@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..callbacks import TaskCallback
+
 if TYPE_CHECKING:
     from ..modeling import ContinualCLIPModel
     from .hub_server import (
@@ -28,6 +30,7 @@ __all__ = [
     "HubStore",
     "LocalHubServer",
     "LoggedRequest",
+    "TrainingLogRecorder",
     "local_hub_endpoint",
     "local_hub_process",
     "tiny_clip",
@@ -45,6 +48,20 @@ def tiny_clip(seed: int = 0, **overrides: int) -> ContinualCLIPModel:
 
     torch.manual_seed(seed)
     return ContinualCLIPModel(tiny_clip_config(**{**TINY_CLIP, **overrides}))
+
+
+class TrainingLogRecorder(TaskCallback):
+    """A task callback that keeps each trained task's Trainer log history (`logs[k]` for the k-th task trained;
+    `step_logs(k)` only the per-step entries, those with a loss). Pass it in `task_callbacks`."""
+
+    def __init__(self) -> None:
+        self.logs: list[list[dict[str, Any]]] = []
+
+    def on_task_trained(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.logs.append(list(kwargs["context"].log_history))
+
+    def step_logs(self, index: int) -> list[dict[str, Any]]:
+        return [log for log in self.logs[index] if "loss" in log]
 
 
 def __getattr__(name: str) -> Any:
