@@ -20,7 +20,7 @@ import torch
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 from safetensors.torch import load_file
-from transformers import AutoTokenizer, CLIPProcessor, TrainingArguments
+from transformers import AutoTokenizer, CLIPProcessor, PreTrainedTokenizerBase, TrainingArguments
 from transformers.trainer_utils import load_sharded_checkpoint
 
 from . import __version__
@@ -92,7 +92,7 @@ def download_latest_from_hub(learner: ContinualLearner) -> Path | None:
 
 
 def restore(learner: ContinualLearner, folder: str | Path) -> int:
-    """Load a task checkpoint written by `save_checkpoint`: model weights, tokenizer (if it grew), every method's
+    """Load a task checkpoint written by `save_checkpoint`: model weights, tokenizer (if it changed), every method's
     state, the results so far. Returns the index of the task it was written after. Every problem is an error
     naming the file, never a silent fresh start."""
     folder = Path(folder)
@@ -115,7 +115,7 @@ def restore(learner: ContinualLearner, folder: str | Path) -> int:
     tokenizer_file = folder / "tokenizer_config.json"
     if tokenizer_file.exists():
         saved = AutoTokenizer.from_pretrained(str(folder))
-        if len(saved) != len(learner.tokenizer):
+        if not same_tokenizer(saved, learner.tokenizer):  # by content: grown merges need not add tokens
             learner.tokenizer = saved
     load_model_weights(learner.model, folder)
     learner.model.align_special_tokens(learner.tokenizer)
@@ -132,6 +132,23 @@ def restore(learner: ContinualLearner, folder: str | Path) -> int:
         raise ValueError(f"{folder} holds {len(trained)} trained rows in results.json, expected {index + 1}")
     logger.info("Resumed after task %d (%s) from %s", index, state.get("task_name"), folder)
     return index
+
+
+def same_tokenizer(one: PreTrainedTokenizerBase, other: PreTrainedTokenizerBase) -> bool:
+    """Same vocabulary, merges, added tokens and settings: the serialised backends of fast tokenizers (without the
+    padding and truncation the last call left set), else the vocabularies and BPE ranks; and the same
+    `model_max_length`."""
+    if one.model_max_length != other.model_max_length:
+        return False
+    backends = [getattr(tokenizer, "backend_tokenizer", None) for tokenizer in (one, other)]
+    if all(backend is not None for backend in backends):
+        first, second = (json.loads(backend.to_str()) for backend in backends)
+        for data in (first, second):
+            data.pop("padding", None)
+            data.pop("truncation", None)
+        return first == second
+    return (type(one) is type(other) and one.get_vocab() == other.get_vocab()
+            and getattr(one, "bpe_ranks", None) == getattr(other, "bpe_ranks", None))
 
 
 def mid_task_checkpoint(learner: ContinualLearner, training_args: TrainingArguments, task_index: int) -> str | None:
@@ -227,7 +244,9 @@ def save_checkpoint(learner: ContinualLearner, index: int) -> Path:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         learner.model.save_pretrained(partial)
+        processor_class = getattr(learner.tokenizer, "_processor_class", None)  # the processor's save sets it
         CLIPProcessor(image_processor=learner.image_processor, tokenizer=learner.tokenizer).save_pretrained(partial)
+        learner.tokenizer._processor_class = processor_class  # as it is on the other processes
         learner.image_processor.save_pretrained(partial)  # preprocessor_config.json too, for older transformers
         save_method_states(learner.methods, partial)
         learner.results.save(partial)

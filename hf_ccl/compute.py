@@ -46,9 +46,13 @@ class TaskCompute:
 
 
 def forward_macs_per_sample(model: torch.nn.Module, batch: dict[str, Any]) -> float:
-    """MACs of one forward pass of `model` on `batch`, per example (measured, not modelled)."""
-    inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "pixel_values") if key in batch}
-    count = len(inputs["pixel_values"])
+    """MACs of one forward pass of `model` on `batch`, per example (measured, not modelled). A pair batch (cached
+    features) counts the learner heads only: the frozen encoders ran once, when the features were cached."""
+    if "features_a" in batch:
+        inputs = {key: batch[key] for key in ("features_a", "features_b", "modality_a", "modality_b")}
+    else:
+        inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "pixel_values") if key in batch}
+    count = len(inputs.get("pixel_values", inputs.get("features_a")))
     was_training = model.training
     model.eval()
     counter = FlopCounterMode(display=False)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import shutil
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,7 @@ from .checkpointing import (  # noqa: F401  (re-exported: public names of this m
 from .compute import ComputeCallback, TaskCompute, global_batch_size
 from .data.collate import CLIPCollator
 from .data.streaming import column_names, is_empty, is_streaming, whole_batches
-from .data.task import CANONICAL_COLUMNS, TaskStream
+from .data.task import TaskStream
 from .distributed import barrier, broadcast_object, is_main_process
 from .evaluation.evaluator import evaluate_task
 from .evaluation.matrix import ResultsMatrix
@@ -57,8 +58,9 @@ from .hub import (
     ensure_branch,
 )
 from .methods.base import ContinualMethod, TaskContext
-from .methods.registry import check_methods
+from .methods.registry import METHODS, check_methods
 from .modeling import ContinualCLIPModel
+from .pair_features import ModalityEncoder, PairFeatureCollator, encode_pair_stream, pair_encoders
 from .resume_settings import run_settings
 from .run_folder import RunFolderLock, claim_run_folder
 from .stream_logging import StreamLogger, reporting_callbacks
@@ -145,6 +147,16 @@ class ContinualArguments:
         metadata={"help": "License of the trained model for its card's front matter (a Hub license id such as "
                   "apache-2.0, or 'other'); None: 'other', with the base model's and datasets' terms named."},
     )
+    image_modalities: list[str] = field(
+        default_factory=lambda: ["image"],
+        metadata={"help": "Pair streams: the modalities CLIP's vision tower encodes; every other modality is read by "
+                  "its text tower, unless listed in precomputed_modalities."},
+    )
+    precomputed_modalities: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Pair streams: modalities whose column already holds feature vectors (projection_dim "
+                  "floats per row, e.g. audio embeddings computed offline)."},
+    )
     resume_allow_changes: list[str] = field(
         default_factory=list,
         metadata={"help": "Dotted keys (fnmatch patterns) of settings that may differ from the checkpoint resumed "
@@ -167,6 +179,13 @@ class ContinualArguments:
         check_range("hub_timeout", self.hub_timeout, 0, low_open=True)
         check_range("hub_retries", self.hub_retries, 0)
         check_range("hub_retry_backoff", self.hub_retry_backoff, 0)
+        for key in ("image_modalities", "precomputed_modalities"):
+            if any(not name or "." in name for name in getattr(self, key)):
+                raise ConfigError(f"{key} holds modality names (non-empty, no '.')", key)
+        both = sorted(set(self.image_modalities) & set(self.precomputed_modalities))
+        if both:
+            raise ConfigError(f"modality(ies) {both} are in image_modalities and precomputed_modalities: a modality "
+                              "is read by one encoder", "precomputed_modalities")
         if self.card_license is not None and not self.card_license.strip():
             raise ConfigError("card_license must be a license id (e.g. apache-2.0, mit, other) or null", "card_license")
         if self.hub_model_id is not None:
@@ -220,7 +239,7 @@ def validate_stream(stream: TaskStream, args: ContinualArguments | None = None) 
         for split_name, dataset in (("train", task.train), ("eval", task.eval)):
             where = f"Stream {stream.name!r}, task {index} ({task.name!r})"
             columns = column_names(dataset)  # a stream without known features: its first row's (none when empty)
-            missing = [c for c in CANONICAL_COLUMNS if c not in columns]
+            missing = [c for c in task.required_columns if c not in columns]
             if missing and (columns or not is_streaming(dataset)):
                 raise ValueError(
                     f"{where}, {split_name} split: missing column(s) {missing}; it has {columns}. Build tasks with "
@@ -247,6 +266,36 @@ def _check_streaming_budget(
     )
 
 
+def check_pair_stream(stream: TaskStream, methods: list[ContinualMethod], args: ContinualArguments) -> None:
+    """Pair tasks (CMCL's setting) train learner heads on cached features: they need the `learner_heads` method and
+    one micro-batch per step (the exact accumulation of `hf_ccl.accumulation` is CLIP's loss)."""
+    if not any(task.kind == "pair" for task in stream):
+        return
+    if not any("learner_heads" in method.roles for method in methods):
+        raise ConfigError(f"stream {stream.name!r} has pair tasks: they train learner heads on the frozen CLIP's "
+                          "features; add the learner_heads method (first in methods)", "methods")
+    unsupported = [method.name for method in methods if not method.trains_pair_tasks]
+    if unsupported:
+        supported = sorted(name for name, cls in METHODS.items() if cls.trains_pair_tasks)
+        raise ConfigError(f"method(s) {unsupported} do not train pair tasks (CMCL's learner heads on cached features); "
+                          f"methods for pair streams: {supported}", "methods")
+    if args.spatial_disorder_task is not None:
+        raise ConfigError("spatial_disorder_task measures image-text embeddings of a CLIP task; a pair stream has "
+                          "none: remove it", "spatial_disorder_task")
+    if int(args.training.get("gradient_accumulation_steps", 1)) > 1:
+        raise ConfigError("pair tasks train with one micro-batch per optimizer step: remove "
+                          "training.gradient_accumulation_steps", "training.gradient_accumulation_steps")
+
+
+def check_frozen_encoders(model: ContinualCLIPModel, task_name: str) -> None:
+    """On a pair task only the learner heads may train: the cached features come from the frozen towers."""
+    moving = [name for name, p in model.named_parameters() if p.requires_grad and not name.startswith("learner_heads.")]
+    if moving:
+        raise ValueError(f"pair task {task_name!r}: CLIP parameters {moving[:3]}{' ...' if len(moving) > 3 else ''} "
+                         "would train, but the task's features were cached from the frozen towers; only the learner "
+                         "heads may train (a method made them trainable)")
+
+
 class ContinualLearner:
     """Train one model on a stream of tasks, one after another, and keep the task-by-task results matrix.
 
@@ -265,11 +314,16 @@ class ContinualLearner:
         args: ContinualArguments,
         callbacks: list[TrainerCallback] | None = None,
         task_callbacks: list[TaskCallback] | None = None,
+        modality_encoders: Mapping[str, ModalityEncoder] | None = None,
     ):
         validate_stream(stream, args)
         check_methods(methods, args.samples_per_task)
+        check_pair_stream(stream, methods, args)
+        for method in methods:
+            method.check_stream(stream)
         PartialState()  # joins the process group now when launched distributed (the Trainer would, later)
         self.callbacks = list(callbacks or [])
+        self.modality_encoders = dict(modality_encoders or {})
         self.model = model
         self.stream = stream
         self.methods = methods
@@ -316,6 +370,17 @@ class ContinualLearner:
         self.state.global_step = self.global_step
         self.task_callbacks.call(name, self.args, self.state, self.control, learner=self, **kwargs)
 
+    def encode_pair_tasks(self) -> None:
+        """Replace each pair task's splits by their frozen features (`hf_ccl.pair_features`), once per run."""
+        if not any(task.kind == "pair" for task in self.stream):
+            return
+        encoders = pair_encoders(
+            self.model, self.image_processor, self.tokenizer, self.stream.modalities,
+            image_modalities=self.args.image_modalities, precomputed_modalities=self.args.precomputed_modalities,
+            given=self.modality_encoders, max_length=self.max_length,
+        )
+        self.stream = encode_pair_stream(self.stream, encoders)
+
     @property
     def max_length(self) -> int:
         limit = self.model.config.text_config.max_position_embeddings
@@ -350,6 +415,7 @@ class ContinualLearner:
     def _fit(self) -> ResultsMatrix:
         self.stream_logger = StreamLogger(self.args.training.get("report_to"), self.output_dir, self.callbacks)
         self.state, self.control = StreamState(num_tasks=len(self.stream)), StreamControl()
+        self.encode_pair_tasks()  # with the model the run starts from: its towers are the frozen encoders
         resumed = checkpointing.find_resume_checkpoint(self)
         if resumed is not None:
             first_task = self.restore(resumed) + 1
@@ -399,6 +465,8 @@ class ContinualLearner:
             )
             self.event("on_task_begin", context=context)
             self._start_task(context)
+            if task.kind == "pair":
+                check_frozen_encoders(self.model, task.name)
             trainer = self._train_task(context)
             for method in self.methods:
                 self._take_changes(context, method.after_training(context), method, "after_training")
@@ -434,7 +502,11 @@ class ContinualLearner:
 
     def _start_task(self, context: TaskContext) -> None:
         """Task-start hooks. A hook may assign `context.model` and call `context.replace_tokenizer` (a vocabulary
-        grown for a new language): the run then trains, evaluates and saves with what the context holds."""
+        grown for a new language): the run then trains, evaluates and saves with what the context holds. The hooks
+        run with the global RNGs seeded with the task's seed (a LoRA adapter's initialisation), as in a resumed run."""
+        from transformers import set_seed
+
+        set_seed(context.seed)
         for method in self.methods:
             self._take_changes(context, method.on_task_start(context), method, "on_task_start")
 
@@ -531,15 +603,19 @@ class ContinualLearner:
         options: dict[str, Any] = {}
         for method in self.methods:
             options.update(method.collator_options(context))
-        collator = CLIPCollator(
-            self.image_processor, self.tokenizer, max_length=self.max_length, train=True, seed=context.seed, **options
-        )
+        if context.task.kind == "pair":
+            if options:
+                raise ValueError(f"pair task {context.task.name!r} is batched from cached features: collator "
+                                 f"options {sorted(options)} cannot apply")
+            collator = context.collator = PairFeatureCollator(context.task.modalities)
+        else:
+            collator = CLIPCollator(self.image_processor, self.tokenizer, max_length=self.max_length, train=True,
+                                    seed=context.seed, **options)
+            # What task-end hooks may need to run the model over the task's data (EWC's Fisher, MAS, DER).
+            context.collator = CLIPCollator(self.image_processor, self.tokenizer, max_length=self.max_length,
+                                            train=False, seed=context.seed, **options)
         train_dataset = self._train_dataset(context, training_args)
-        # What task-end hooks may need to run the model over the task's data (EWC's Fisher, MAS, DER).
         context.train_dataset = train_dataset
-        context.collator = CLIPCollator(
-            self.image_processor, self.tokenizer, max_length=self.max_length, train=False, seed=context.seed, **options
-        )
         context.per_device_batch_size = training_args.per_device_train_batch_size
         if training_args.push_to_hub and is_main_process():
             ensure_branch(training_args.hub_model_id, training_args.hub_revision, private=self.args.hub_private_repo,

@@ -26,6 +26,7 @@ from transformers import CLIPConfig, CLIPModel, PreTrainedTokenizerBase
 from transformers.models.clip.modeling_clip import CLIPOutput
 
 from .distributed import all_gather_no_grad, all_gather_with_grad
+from .heads import PairOutput
 from .losses import clip_contrastive_loss, positive_mask
 
 logger = logging.getLogger(__name__)
@@ -105,6 +106,10 @@ class ContinualCLIPModel(CLIPModel):
         #: `pooler_output`) with its prompt inserted. A submodule, so its parameters train and move with the model,
         #: but never saved by `save_pretrained` (checkpoints stay plain CLIPs; the prompt lives in method state).
         self.text_prompt: nn.Module | None = None
+        #: Optional per-modality learner heads (`hf_ccl.heads.LearnerHeads`, CMCL's setting): a batch of cached
+        #: frozen features (`features_a`, `features_b`, `modality_a`, `modality_b`) runs through them. Folded into
+        #: the projections by `save_pretrained`, so checkpoints stay plain CLIPs; the heads live in method state.
+        self.learner_heads: nn.Module | None = None
         if config.text_config.eos_token_id == LEGACY_EOS_TOKEN_ID and config.text_config.vocab_size > 3:
             logger.warning(
                 "text_config.eos_token_id is the legacy value 2: CLIP then pools at input_ids.argmax(), which is "
@@ -194,8 +199,12 @@ class ContinualCLIPModel(CLIPModel):
         text_hash: torch.Tensor | None = None,
         image_hash: torch.Tensor | None = None,
         features_only: bool = False,
+        features_a: torch.Tensor | None = None,
+        features_b: torch.Tensor | None = None,
+        modality_a: str | None = None,
+        modality_b: str | None = None,
         **kwargs: Any,
-    ) -> ContinualCLIPOutput:
+    ) -> ContinualCLIPOutput | PairOutput:
         """Like `CLIPModel.forward`, but the loss runs over the global batch and honours a positive mask.
 
         `text_hash` / `image_hash` (int64 per example, from `CLIPCollator`) mark duplicate texts and images: the
@@ -203,8 +212,18 @@ class ContinualCLIPModel(CLIPModel):
         `features_only=True` stops after the towers: the output holds only `image_features` and `text_features`
         (what `ContinualTrainer`'s exact gradient accumulation encodes chunk by chunk; `contrastive_outputs` does
         the rest over the whole accumulated batch).
+
+        A pair batch (`features_a`, `features_b` and their modality names, from `PairFeatureCollator`) runs through
+        `learner_heads` instead and returns its `PairOutput` (the pair loss of Eq. 2, CMCL).
         """
         kwargs.pop("num_items_in_batch", None)
+        if features_a is not None or features_b is not None:
+            if self.learner_heads is None:
+                raise ValueError("a pair batch (features_a/features_b) needs learner heads: add the learner_heads "
+                                 "method")
+            if features_a is None or features_b is None or modality_a is None or modality_b is None:
+                raise ValueError("a pair batch needs features_a, features_b, modality_a and modality_b")
+            return self.learner_heads(modality_a, modality_b, features_a, features_b, return_loss=bool(return_loss))
         image_features = as_embedding(self.get_image_features(pixel_values=pixel_values))
         text_features = as_embedding(
             self.get_text_features(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
@@ -263,16 +282,25 @@ class ContinualCLIPModel(CLIPModel):
         finally:
             self.text_prompt = prompt
 
+    def plain_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights of the plain CLIP this model stands for: no `text_prompt`, the learner heads folded in."""
+        state = {name: tensor for name, tensor in self.state_dict().items()
+                 if not name.startswith(("text_prompt.", "learner_heads."))}
+        if self.learner_heads is not None:
+            visual, text = self.learner_heads.folded_projections(
+                self.visual_projection.weight.detach(), self.text_projection.weight.detach())
+            state["visual_projection.weight"], state["text_projection.weight"] = visual, text
+        return state
+
     def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
         """Save as a plain CLIP checkpoint: `architectures` says `CLIPModel`, so any transformers loads it.
 
         A `text_prompt` is never saved with the weights (an explicit `state_dict` argument is written as given): it
-        belongs to the method's state, which also carries it in the Trainer's mid-task checkpoints."""
-        if self.text_prompt is not None and kwargs.get("state_dict") is None:
-            with self.without_text_prompt():
-                super().save_pretrained(save_directory, *args, **kwargs)
-        else:
-            super().save_pretrained(save_directory, *args, **kwargs)
+        belongs to the method's state, which also carries it in the Trainer's mid-task checkpoints. Neither are
+        `learner_heads`: their image and text heads are folded into `visual_projection` and `text_projection`."""
+        if kwargs.get("state_dict") is None and (self.text_prompt is not None or self.learner_heads is not None):
+            kwargs["state_dict"] = self.plain_state_dict()
+        super().save_pretrained(save_directory, *args, **kwargs)
         config_path = os.path.join(save_directory, "config.json")
         if os.path.exists(config_path):
             with open(config_path, encoding="utf-8") as handle:

@@ -1,25 +1,46 @@
-"""The one matrix the tests that must hold for every method run over (accumulation, compile, mixed precision):
-every registered method, with the options that let it train in seconds on a tiny CLIP, on the first tasks of the
-bundled `digits` stream (68 training examples each: a whole batch of 64 even when `patching` holds 4 out)."""
+"""The one matrix the tests that must hold for every method run over (accumulation, compile, mixed precision,
+exact resume, bad options, two processes): every registered method, with the options that let it train in seconds
+on a tiny CLIP, on the first tasks of the bundled `digits` stream (68 training examples each: a whole batch of 64
+even when `patching` holds 4 out).
+
+Methods that only train pair tasks (CMCL's `learner_heads`) run on the first tasks of `flickr-fashion-pairs`
+instead (`task_stream`).
+
+A new method is covered by every one of those tests as soon as its file is in `hf_ccl/methods/`; if it needs options
+to train on 64-example tasks, they are one entry of `METHOD_ARGS` (the only place that holds per-method test
+options: `tests/scripts/` read it too)."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import TrainerCallback
 
 from hf_ccl.continual import ContinualArguments, ContinualLearner
 from hf_ccl.data import build_stream, load_image_processor, load_tokenizer
+from hf_ccl.methods import METHODS as METHOD_CLASSES
 from hf_ccl.methods import available_methods, build_methods
 from hf_ccl.testing import tiny_clip
 
-#: Small buffers and queues, so that replay and momentum contrast engage on 64-example tasks.
+#: Small buffers and queues, so that replay and momentum contrast engage on 64-example tasks; MAS's importance pass
+#: (one backward pass per example, each with a dense gradient of the whole token embedding) on 8 examples of a task.
 METHOD_ARGS: dict[str, dict[str, Any]] = {
     "er": {"buffer_size": 16}, "der": {"buffer_size": 16}, "derpp": {"buffer_size": 16},
     "ctp": {"queue_size": 32}, "patching": {"validation_size": 4},
+    "gem": {"memory_per_task": 16}, "agem": {"memory_per_task": 16, "reference_batch_size": 8},
+    "mas": {"importance_batch_size": 8, "importance_max_batches": 1},
 }
 METHODS = sorted(available_methods())
+#: Methods that train pair tasks only (learner heads on cached features): they run on a pair stream.
+PAIR_ONLY = {name for name in METHODS if "learner_heads" in METHOD_CLASSES[name].roles}
+
+
+def method_args(names: list[str] | tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """`METHOD_ARGS` of the methods in `names`, as `build_methods` takes them."""
+    return {name: METHOD_ARGS[name] for name in names if name in METHOD_ARGS}
 
 
 class LogRecorder(TrainerCallback):
@@ -40,26 +61,66 @@ class LogRecorder(TrainerCallback):
         return next(logs for number, logs in self.logs if number == task and "loss" in logs)
 
 
-def tiny_stream(tasks: int = 2, train: int = 68, evaluate: int = 8):
-    stream = build_stream("digits", max_train_per_task=train, max_eval_per_task=evaluate)
+def tiny_stream(tasks: int = 2, train: int = 68, evaluate: int = 8, pairs: bool = False):
+    """The first `tasks` tasks of `digits` (of `flickr-fashion-pairs` with `pairs`)."""
+    name = "flickr-fashion-pairs" if pairs else "digits"
+    stream = build_stream(name, max_train_per_task=train, max_eval_per_task=evaluate)
     stream.tasks = stream.tasks[:tasks]
     return stream
 
 
+def task_stream(names: list[str] | tuple[str, ...], tasks: int = 2, train: int = 68, evaluate: int = 8):
+    """The stream `names` are tested on: a pair stream when one of them trains pair tasks only."""
+    return tiny_stream(tasks, train, evaluate, pairs=bool(PAIR_ONLY & set(names)))
+
+
 def run_method(
-    methods: str | list[str], output_dir: Path, training: dict[str, Any], *, tasks: int = 2, seed: int = 1,
-    callbacks: list[TrainerCallback] | None = None, **arguments: Any,
+    methods: str | list[str], output_dir: Path, training: dict[str, Any], *, tasks: int = 2, train: int = 68,
+    seed: int = 1, callbacks: list[TrainerCallback] | None = None, **arguments: Any,
 ) -> ContinualLearner:
-    """Fit `methods` (with `METHOD_ARGS`) on `tasks` tiny digits tasks; returns the learner after `fit()`."""
+    """Fit `methods` (with `METHOD_ARGS`) on `tasks` tiny digits tasks of `train` training examples; returns the
+    learner after `fit()`.
+    `arguments` are `ContinualArguments` fields (no initial evaluation and no checkpoints unless given)."""
     names = [methods] if isinstance(methods, str) else list(methods)
     args = ContinualArguments(
         output_dir=str(output_dir), training={"logging_steps": 1, **training}, progress=False, seed=seed,
-        evaluate_initial=False, save_checkpoints=False, **arguments,
+        **{"evaluate_initial": False, "save_checkpoints": False, **arguments},
     )
     learner = ContinualLearner(
-        tiny_clip(seed=seed), tiny_stream(tasks),
-        build_methods(names, {name: METHOD_ARGS[name] for name in names if name in METHOD_ARGS}),
+        tiny_clip(seed=seed), task_stream(names, tasks, train), build_methods(names, method_args(names)),
         load_image_processor(32), load_tokenizer(), args, callbacks=callbacks,
     )
     learner.fit()
     return learner
+
+
+def flat_state(value: Any, path: str = "") -> dict[str, Any]:
+    """A method's `state_dict()` (nested dicts, lists and tuples of tensors and plain values) as {path: leaf}, with
+    paths like `anchor/text_projection.weight` or `buffer/3`, so that two states compare leaf by leaf by path. Keys
+    are read as strings and tuples as lists (what a JSON round trip through a checkpoint makes of them)."""
+    if isinstance(value, dict):
+        items, empty = [(str(key), item) for key, item in value.items()], "{}"
+    elif isinstance(value, (list, tuple)):
+        items, empty = [(str(index), item) for index, item in enumerate(value)], "[]"
+    else:
+        return {path: value}
+    if not items:
+        return {path: empty}
+    flat: dict[str, Any] = {}
+    for key, item in items:
+        flat.update(flat_state(item, f"{path}/{key}" if path else key))
+    return flat
+
+
+def state_digests(value: Any) -> dict[str, str]:
+    """`flat_state(value)` with every leaf reduced to a sha256 (tensors: dtype, shape and bytes): equal digests are
+    equal states, bit for bit."""
+    digests = {}
+    for path, leaf in flat_state(value).items():
+        if isinstance(leaf, torch.Tensor):
+            tensor = leaf.detach().cpu().contiguous()
+            data = f"{tensor.dtype}{tuple(tensor.shape)}".encode() + tensor.view(-1).view(torch.uint8).numpy().tobytes()
+        else:
+            data = repr(leaf).encode()
+        digests[path] = hashlib.sha256(data).hexdigest()
+    return digests

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 from language_tasks import language_stream
-from transformers import TrainerCallback
+from transformers import CLIPProcessor, TrainerCallback
 
 from hf_ccl.continual import ContinualArguments, ContinualLearner
 from hf_ccl.data import CLIPCollator, load_image_processor, load_tokenizer
@@ -215,6 +215,27 @@ def test_resume_after_a_task_is_exact(trained, stream, tokenizer, tmp_path):
     resumed = _fit(stream, tokenizer, run, methods, resume_from_checkpoint=True)
     assert torch.equal(resumed.model.state_dict()[EMBEDDING], learner.model.state_dict()[EMBEDDING])
     assert methods[0].temperature.item() == method.temperature.item()
+
+
+def _saved_tokenizer(method: CLLCLIP) -> dict[str, bytes]:
+    return {name: data.numpy().tobytes() for name, data in method.state_dict()["tokenizer"].items()}
+
+
+def test_the_saved_tokenizer_is_the_one_captured_at_the_first_task_start(stream, tmp_path):
+    """The state saves the original tokenizer as it was captured, not the live one re-serialised: not changed by
+    the main process saving a checkpoint's processor with it (the same state on every rank), nor by a save and load
+    (the same state in a resumed run)."""
+    tokenizer, model = load_tokenizer(), tiny_clip(seed=0)
+    method = CLLCLIP()
+    method.on_task_start(TaskContext(0, stream[0], stream, model, output_dir=None, tokenizer=tokenizer))
+    captured = _saved_tokenizer(method)
+    CLIPProcessor(image_processor=load_image_processor(32), tokenizer=tokenizer).save_pretrained(tmp_path / "task-0")
+    assert _saved_tokenizer(method) == captured
+    save_method_states([method], tmp_path)
+    restored = CLLCLIP()
+    load_method_states([restored], tmp_path)
+    restored.on_task_start(TaskContext(1, stream[1], stream, model, output_dir=None, tokenizer=tokenizer))
+    assert _saved_tokenizer(restored) == captured
 
 
 def test_order_and_data_errors(stream, tokenizer):

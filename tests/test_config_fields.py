@@ -33,6 +33,7 @@ DEFAULT_ARGS: dict[str, Any] = {
     "warmup": "every_task", "resume_from_checkpoint": None, "hub_model_id": None, "hub_private_repo": False,
     "hub_timeout": 60.0, "hub_retries": 3, "hub_retry_backoff": 1.0, "overwrite_output_dir": False,
     "keep_trainer_checkpoints": False, "card_license": None, "resume_allow_changes": [],
+    "image_modalities": ["image"], "precomputed_modalities": [],
 }
 #: What each bundled recipe changes in them (`training`: the options it changes), recorded the same way.
 RECIPE_ARGS: dict[str, dict[str, Any]] = {
@@ -40,6 +41,11 @@ RECIPE_ARGS: dict[str, dict[str, Any]] = {
         "output_dir": "outputs/cllclip-teir-flickr8k-languages",
         "training": {"num_train_epochs": 3, "per_device_train_batch_size": 128, "learning_rate": 0.0005,
                      "weight_decay": 0.05},
+    },
+    "cmcl-pairs": {
+        "output_dir": "outputs/cmcl-pairs",
+        "training": {"num_train_epochs": 5, "per_device_train_batch_size": 64, "learning_rate": 0.0001,
+                     "weight_decay": 0.001, "max_grad_norm": 1.0, "lr_scheduler_type": "linear", "warmup_steps": 0},
     },
     "ctp-fashion-categories": {
         "output_dir": "outputs/ctp-fashion-categories", "first_task_epochs": 10,
@@ -146,6 +152,8 @@ SPECIAL: dict[str, tuple[Any, dict[str, Any]]] = {
     "resume_from_checkpoint": ("auto", {}),
     "resume_allow_changes": (["training.learning_rate"], {"resume_from_checkpoint": "auto"}),
     "samples_per_task": (512, {}),
+    "image_modalities": (["image", "sketch"], {}),
+    "precomputed_modalities": (["audio"], {}),
 }
 
 

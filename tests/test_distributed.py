@@ -1,4 +1,8 @@
-"""Two processes with gloo on CPU, launched as users launch: `accelerate launch --multi_gpu --num_processes 2`."""
+"""Two processes with gloo on CPU, launched as users launch: `accelerate launch --multi_gpu --num_processes 2`.
+
+One launch checks the global-batch loss and gradients, exact accumulation through DDP, and, for every registered
+method (`available_methods()`, with `tests/method_matrix.py`'s options) and the papers' compositions, that both
+ranks end a 2-task run with the same parameters and the same method state."""
 
 import json
 import os
@@ -12,6 +16,9 @@ import pytest
 from hf_ccl.methods import available_methods
 
 SCRIPT = Path(__file__).parent / "scripts" / "two_process_check.py"
+#: Method state entries that differ across ranks, with why: library bugs, reported. The test fails when one no
+#: longer differs, so that the entry goes with the fix.
+KNOWN_RANK_DIFFERENCES: dict[str, dict[str, str]] = {}
 
 
 def _free_port() -> int:
@@ -47,7 +54,18 @@ def test_two_processes_match_one(tmp_path):
     assert reports[0]["param_sum"] == reports[1]["param_sum"]
     assert reports[0]["param_abs_sum"] == reports[1]["param_abs_sum"]
     assert (tmp_path / "run" / "task-1" / "model.safetensors").exists()
-    sums = [report["method_param_sums"] for report in reports]
-    assert set(sums[0]) >= set(available_methods())
-    for name, value in sums[0].items():
-        assert value == sums[1][name], f"{name}: ranks disagree after training"
+    # every registered method (one launch runs them all in turn): the same model and method state on both ranks
+    first, second = reports
+    assert set(first["model_digests"]) == set(second["model_digests"]) >= set(available_methods())
+    problems = []
+    for run, spread in first["model_spread"].items():
+        if spread != 0.0 or first["model_digests"][run] != second["model_digests"][run]:
+            problems.append(f"{run}: the ranks' parameters differ by up to {spread}")
+        for method, digests in first["method_digests"][run].items():
+            other = second["method_digests"][run][method]
+            differing = sorted(path for path in {*digests, *other} if digests.get(path) != other.get(path))
+            known = sorted(KNOWN_RANK_DIFFERENCES.get(method, {}))
+            if differing != known:
+                problems.append(f"{run}: {method}'s state differs across ranks at {differing[:5]}"
+                                + (f" (known: {known}; fixed? remove it from KNOWN_RANK_DIFFERENCES)" if known else ""))
+    assert not problems, "\n".join(problems)

@@ -14,6 +14,7 @@ from hf_ccl.continual import ContinualArguments, ContinualLearner
 from hf_ccl.data import build_stream, load_image_processor
 from hf_ccl.data.task import TaskStream
 from hf_ccl.methods import ContinualMethod, build_methods, load_method_states, save_method_states
+from hf_ccl.methods.base import TaskContext
 from hf_ccl.methods.lora import (
     LoRA,
     LoRAMethodConfig,
@@ -244,3 +245,25 @@ def test_resuming_mid_task_continues_the_adapter(tmp_path, clip_tokenizer):
         assert torch.equal(resumed.adapters[1][key], value), key
     for key, value in weights.items():
         assert torch.equal(resumed_weights[key], value), key
+
+
+def test_a_tasks_adapter_starts_from_the_tasks_seed_whatever_the_global_rng(tmp_path, clip_tokenizer):
+    """The loop seeds the task-start hooks with the task's seed, so a task's adapter is initialised alike in a run
+    and in one resumed before it (whose global RNG has had another history)."""
+    stream = build_stream("digits", max_train_per_task=16, max_eval_per_task=8)
+    stream.tasks = stream.tasks[:2]
+
+    def initial_adapter(rng_seed: int) -> dict[str, torch.Tensor]:
+        args = ContinualArguments(output_dir=str(tmp_path), progress=False, seed=3)
+        learner = ContinualLearner(tiny_clip(), stream, build_methods(["lora"]), load_image_processor(32),
+                                   clip_tokenizer, args)
+        context = TaskContext(1, stream[1], stream, learner.model, output_dir=tmp_path, seed=args.seed + 1,
+                              tokenizer=clip_tokenizer)
+        torch.manual_seed(rng_seed)  # the global RNG's history: a run's task 0, or a resume's restore
+        learner._start_task(context)
+        return adapter_state(learner.model, "task-1")
+
+    first, second = initial_adapter(0), initial_adapter(1)
+    assert any("lora_A" in key for key in first)
+    for key, value in first.items():
+        assert torch.equal(second[key], value), key

@@ -26,8 +26,9 @@ def test_unknown_method_lists_valid_ones():
 
 
 def test_unknown_option_lists_valid_ones():
-    with pytest.raises(ValueError, match="valid options: \\['max_examples'\\]"):
+    with pytest.raises(ValueError, match="valid options: \\['max_examples'\\]") as caught:
         build_methods(["joint"], {"joint": {"max_exampels": 3}})
+    assert "method_args.joint.max_exampels" in str(caught.value) and caught.value.key == "method_args.joint.max_exampels"
     with pytest.raises(ValueError, match="not in the method list"):
         build_methods(["finetune"], {"joint": {}})
     with pytest.raises(ValueError, match="twice"):

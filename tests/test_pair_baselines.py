@@ -9,20 +9,13 @@ import pytest
 import torch
 from datasets import Dataset
 
+from hf_ccl.methods.gem_projection import agem_project, box_qp_residual, flat_grad, gem_project, solve_box_qp
 from hf_ccl.methods.state import load_method_states, save_method_states
 from hf_ccl.pairs.heads import LearnerHeads
 from hf_ccl.pairs.methods.base import PAIR_METHODS, PairMethod, PairTaskContext, Vanilla, build_pair_methods
 from hf_ccl.pairs.methods.derpp import PairDER, PairDERPP
 from hf_ccl.pairs.methods.ewc import PairEWC
-from hf_ccl.pairs.methods.gem import (
-    AGEM,
-    GEM,
-    agem_project,
-    box_qp_residual,
-    flat_grad,
-    gem_project,
-    solve_box_qp,
-)
+from hf_ccl.pairs.methods.gem import AGEM, GEM
 from hf_ccl.pairs.objective import PairObjective
 from hf_ccl.pairs.task import PairStream, PairTask
 

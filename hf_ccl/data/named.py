@@ -356,3 +356,6 @@ def fashion_years(
         shuffle_buffer=shuffle_buffer,
         **common,
     )
+
+
+from . import pair_streams  # noqa: E402,F401  (registers flickr-fashion-pairs; it imports this module's names)

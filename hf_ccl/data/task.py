@@ -11,7 +11,12 @@ Every task holds two Hugging Face datasets (train and eval) in one canonical sch
 | `image_id` | `str`                         | unique per image across the stream: `"<source>/<split>/<row>"`    |
 | `label`    | `int`                         | class index into `Task.class_names`, or -1 for captioned tasks    |
 
-Training samples one caption of `texts` per example and step; evaluation uses all of them. A task's `train` may be a
+Training samples one caption of `texts` per example and step; evaluation uses all of them.
+
+A *pair task* (`kind="pair"`, CMCL's setting) aligns two named modalities instead: `modalities=(a, b)` names the
+learner heads (`hf_ccl.heads`), `columns` the dataset columns holding each side's raw value (an image cell, a
+caption, a feature vector; default the modality names). One row is one pair; its frozen features are encoded once
+(`hf_ccl.data.pair_features`). A task's `train` may be a
 streaming `datasets.IterableDataset` with the same columns (see `hf_ccl.data.streaming`); `eval` is always a `Dataset`.
 
 Rows a builder leaves out are counted on the stream (`TaskStream.dropped`, see `hf_ccl.data.dropped`).
@@ -28,7 +33,8 @@ from datasets import Dataset, IterableDataset
 CANONICAL_COLUMNS = ("image", "texts", "image_id", "label")
 #: The key of `TaskStream.dropped` for rows that fall in no task.
 NO_TASK = "(no task)"
-TaskKind = Literal["retrieval", "classification"]
+TaskKind = Literal["retrieval", "classification", "pair"]
+TASK_KINDS = ("retrieval", "classification", "pair")
 
 
 @dataclass
@@ -37,7 +43,8 @@ class Task:
 
     `kind` says how the task is scored: captioned tasks by image-text retrieval (Recall@K), class-label tasks by
     zero-shot classification over `class_names` with the prompt-template ensemble `eval_templates` (DESIGN.md:
-    caption-level retrieval is ill-defined when many captions are identical).
+    caption-level retrieval is ill-defined when many captions are identical); pair tasks by Recall@K between their
+    two modalities (`modalities`, anchor first; see the module docstring).
     """
 
     name: str
@@ -50,17 +57,33 @@ class Task:
     #: Rows of this task's selection the builder left out: split ("train"/"eval") -> reason -> rows. A train split
     #: streamed from its source is not counted (rows are skipped as they are read).
     dropped: dict[str, dict[str, int]] = field(default_factory=dict)
+    modalities: tuple[str, str] | None = None
+    columns: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ("retrieval", "classification"):
-            raise ValueError(f"Task {self.name!r}: kind must be 'retrieval' or 'classification', got {self.kind!r}")
+        if self.kind not in TASK_KINDS:
+            raise ValueError(f"Task {self.name!r}: kind must be one of {list(TASK_KINDS)}, got {self.kind!r}")
         if self.kind == "classification" and not self.class_names:
             raise ValueError(f"Task {self.name!r}: a classification task needs class_names")
+        if (self.kind == "pair") != (self.modalities is not None):
+            raise ValueError(f"Task {self.name!r}: a pair task, and only a pair task, names its two modalities")
+        if self.modalities is not None:
+            self.modalities = tuple(self.modalities)
+            if len(self.modalities) != 2 or not all(isinstance(m, str) and m for m in self.modalities):
+                raise ValueError(f"Task {self.name!r}: modalities must be two names, got {self.modalities!r}")
+            if self.modalities[0] == self.modalities[1]:
+                raise ValueError(f"Task {self.name!r} pairs modality {self.modalities[0]!r} with itself")
+            self.columns = tuple(self.columns or self.modalities)
 
     @property
     def headline_metric(self) -> str:
         """The metric placed in the results matrix for this task."""
-        return "R_mean" if self.kind == "retrieval" else "accuracy"
+        return {"retrieval": "R_mean", "classification": "accuracy", "pair": "R@1"}[self.kind]
+
+    @property
+    def required_columns(self) -> tuple[str, ...]:
+        """The columns both splits must have: the canonical ones, or a pair task's two modality columns."""
+        return self.columns if self.columns is not None else CANONICAL_COLUMNS
 
 
 @dataclass
@@ -87,6 +110,11 @@ class TaskStream:
     @property
     def task_names(self) -> list[str]:
         return [task.name for task in self.tasks]
+
+    @property
+    def modalities(self) -> list[str]:
+        """Every modality of the stream's pair tasks, in order of first appearance."""
+        return list(dict.fromkeys(m for task in self.tasks for m in task.modalities or ()))
 
     @property
     def dropped(self) -> dict[str, dict[str, dict[str, int]]]:

@@ -14,6 +14,7 @@ from datasets import Dataset
 
 from ..data.task import Task
 from .encode import encode_images, encode_texts
+from .pairs import evaluate_pair_task
 from .retrieval import captions_to_text_to_image, recall_at_k, unique_texts
 from .zeroshot import DEFAULT_TEMPLATES, zero_shot_accuracy, zero_shot_classifier
 
@@ -88,9 +89,13 @@ def evaluate_task(
     identical captions are one text, a positive of every image they describe, and ties count in expectation.
     Classification tasks: zero-shot accuracy among `task.class_names` with the `task.eval_templates` ensemble
     (default `["a photo of a {label}."]`): `accuracy`, `top5_accuracy` when there are more than 5 classes.
+    Pair tasks (encoded by `hf_ccl.pair_features`): Recall@K between their two modalities' learner outputs, and
+    the drift of their alignment matrix once learned (`hf_ccl.evaluation.pairs`).
     The model's training mode is restored afterwards.
     """
-    if task.kind == "retrieval":
+    if task.kind == "pair":
+        metrics = evaluate_pair_task(model, task)
+    elif task.kind == "retrieval":
         metrics = _evaluate_retrieval(
             model, task, image_processor, tokenizer, batch_size, max_length, chunk_size
         )

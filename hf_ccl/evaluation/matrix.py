@@ -249,7 +249,7 @@ def _headline_table(matrix: ResultsMatrix) -> list[str]:
     lines += [
         "",
         "Cells: each task's headline metric in percent (R_mean = mean of R@1/5/10 in both directions; "
-        "accuracy = zero-shot top-1); `-` = not evaluated.",
+        "accuracy = zero-shot top-1; R@1 of a pair task = mean of both directions); `-` = not evaluated.",
     ]
     return lines
 

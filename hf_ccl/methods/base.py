@@ -53,7 +53,9 @@ class MethodConfig:
         valid = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(values) - valid)
         if unknown:
-            raise ConfigError(f"Unknown option(s) {unknown} for method {name}; valid options: {sorted(valid) or 'none'}")
+            keys = [f"method_args.{name}.{option}" for option in unknown]
+            raise ConfigError(f"Unknown option(s) {', '.join(keys)} for method {name}; valid options: "
+                              f"{sorted(valid) or 'none'}", keys[0] if len(keys) == 1 else f"method_args.{name}")
         checked = check_mapping(values, type_hints(cls), f"method_args.{name}.")
         try:
             return cls(**checked)
@@ -141,6 +143,9 @@ class ContinualMethod:
     replaces_contrastive_loss: ClassVar[bool] = False
     #: True when the method needs a compute budget (`samples_per_task`), e.g. Oracle's t x C steps at step t.
     needs_compute_budget: ClassVar[bool] = False
+    #: True when the method is correct on pair tasks (CMCL's learner heads on cached features, `learner_heads`):
+    #: its hooks handle feature batches of one modality pair per task. Others are refused on pair streams.
+    trains_pair_tasks: ClassVar[bool] = False
 
     # Combinations, declared by each method and checked by `build_methods` before anything is built or trained.
     #: What the method does that another method may clash with: {role: what it does} (the text is used in errors).
@@ -162,6 +167,9 @@ class ContinualMethod:
         if not isinstance(config, self.config_class):
             raise TypeError(f"Method {self.name!r} expects a {self.config_class.__name__}, got {type(config).__name__}")
         self.config = config
+
+    def check_stream(self, stream: TaskStream) -> None:
+        """Refuse a stream the method cannot train (raise ValueError), before anything is built or trained."""
 
     def on_task_start(self, context: TaskContext) -> None:
         """Called before a task trains. To change the model, assign `context.model`; to change the tokenizer, call

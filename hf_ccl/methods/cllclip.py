@@ -278,7 +278,9 @@ class CLLCLIP(ContinualMethod):
         self._teacher_config: dict[str, Any] | None = None
         self._teacher_digests: dict[str, str] = {}
         self._pending: dict[str, Any] | None = None  # a loaded teacher state, rebuilt at its next use
-        self._pending_tokenizer: dict[str, torch.Tensor] | None = None
+        #: The original tokenizer's files, captured once (at the snapshot, or as loaded): saving never re-serialises
+        #: the live tokenizer, whose saved config changes as it is used (a processor saved with it).
+        self._tokenizer_files: dict[str, torch.Tensor] | None = None
         self._context: TaskContext | None = None
         self._column = self.config.parallel_text_column  # this task's English column
 
@@ -383,6 +385,7 @@ class CLLCLIP(ContinualMethod):
         self._teacher_digests = {name: tensor_digest(value) for name, value in teacher_model.state_dict().items()}
         self.teacher = CLLTeacher(teacher_model, cache=self.config.teacher_cache)
         self.tokenizer = tokenizer
+        self._tokenizer_files = tokenizer_files(tokenizer)
 
     def _ensure_teacher(self, model: nn.Module) -> CLLTeacher:
         """The teacher, rebuilt from a loaded state (and `model`'s tensors, digest-checked) if needed."""
@@ -423,11 +426,11 @@ class CLLCLIP(ContinualMethod):
         """τ, the original tokenizer's files and the teacher (see the module docstring, "Resuming")."""
         state: dict[str, Any] = {"temperature": self.temperature.detach().clone()}
         if self._pending is not None:
-            state.update(teacher=self._pending, tokenizer=self._pending_tokenizer)
+            state.update(teacher=self._pending, tokenizer=self._tokenizer_files)
             return state
         if self.teacher is None:
             return state
-        state["tokenizer"] = tokenizer_files(self.tokenizer)
+        state["tokenizer"] = self._tokenizer_files
         live = {} if self._context is None or self.config.save_full_teacher else self._context.model.state_dict()
         stored, rows = {}, {}
         for name, value in self.teacher.model.state_dict().items():
@@ -454,7 +457,7 @@ class CLLCLIP(ContinualMethod):
         if teacher is None:
             return
         self._pending = teacher
-        self._pending_tokenizer = state["tokenizer"]
+        self._tokenizer_files = state["tokenizer"]
         self.tokenizer = tokenizer_from_files(state["tokenizer"])
         self.teacher = None
 

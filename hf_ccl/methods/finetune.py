@@ -11,3 +11,4 @@ class Finetune(ContinualMethod):
     """Plain sequential fine-tuning: every hook is the base class's no-op."""
 
     name = "finetune"
+    trains_pair_tasks = True  # on pair tasks: the learner heads' pair loss alone (CMCL's "vanilla")

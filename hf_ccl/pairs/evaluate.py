@@ -8,32 +8,13 @@ query has exactly one positive (row i ↔ row i). Ties count in expectation, as 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
-from ..evaluation.retrieval import RankCounts, hit_rate, single_positive_rank_counts
+from ..evaluation.pairs import diagonal_rank_counts, pair_recall, relative_drift
 from .heads import LearnerHeads, pair_logits
 from .objective import PairObjective
 
-KS = (1, 5, 10)
-
-
-def diagonal_rank_counts(scores: torch.Tensor) -> RankCounts:
-    """Where the diagonal entry of each row of a square score matrix stands among its row."""
-    return single_positive_rank_counts(scores, scores.diagonal().unsqueeze(1))
-
-
-def pair_recall(scores: torch.Tensor, ks: Sequence[int] = KS, prefix: str = "") -> dict[str, float]:
-    """`a2b_R@K` (rows query columns), `b2a_R@K` and `R@K` (their mean), in percent, for a square score matrix;
-    ties count in expectation (`hf_ccl.evaluation.hit_rate`)."""
-    metrics: dict[str, float] = {}
-    counts = {"a2b": diagonal_rank_counts(scores), "b2a": diagonal_rank_counts(scores.T)}
-    for k in ks:
-        for direction, direction_counts in counts.items():
-            metrics[f"{prefix}{direction}_R@{k}"] = 100.0 * hit_rate(direction_counts, k).mean().item()
-        metrics[f"{prefix}R@{k}"] = (metrics[f"{prefix}a2b_R@{k}"] + metrics[f"{prefix}b2a_R@{k}"]) / 2
-    return metrics
+__all__ = ["alignment_matrix", "diagonal_rank_counts", "evaluate_pair", "pair_recall", "relative_drift"]
 
 
 @torch.no_grad()
@@ -63,9 +44,3 @@ def alignment_matrix(
     device = next(heads.parameters()).device
     z_a, z_b = heads(modality_a, xa.to(device), modality_b, xb.to(device))
     return z_a.double() @ z_b.double().T
-
-
-def relative_drift(current: torch.Tensor, reference: torch.Tensor) -> float:
-    """‖A_{i;t} − A_{i;i}‖_F / ‖A_{i;i}‖_F (spec §5, stability diagnostic)."""
-    norm = reference.norm()
-    return float((current - reference).norm() / norm) if norm > 0 else float((current - reference).norm())

@@ -18,11 +18,12 @@ import copy
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import CLIPModel
 
-SIMILARITIES = ("dot", "cosine")
+from ..heads import SIMILARITIES, pair_contrastive_loss, pair_logits
+
+__all__ = ["SIMILARITIES", "LearnerHeads", "fold_into_clip", "pair_contrastive_loss", "pair_logits"]
 
 
 class LearnerHeads(nn.Module):
@@ -87,31 +88,6 @@ class LearnerHeads(nn.Module):
         keep = set(modalities)
         for name, head in self.heads.items():
             head.requires_grad_(name in keep)
-
-
-def pair_logits(
-    z_a: torch.Tensor, z_b: torch.Tensor, temperature: float = 1.0, similarity: str = "dot"
-) -> torch.Tensor:
-    """[n_a, n_b] scores z^a_i · z^b_j / τ (`dot`, the paper) or cosines / τ (`cosine`, what a CLIP computes)."""
-    if similarity not in SIMILARITIES:
-        raise ValueError(f"similarity must be one of {list(SIMILARITIES)}, got {similarity!r}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if similarity == "cosine":
-        z_a, z_b = F.normalize(z_a, dim=-1), F.normalize(z_b, dim=-1)
-    return z_a @ z_b.T / temperature
-
-
-def pair_contrastive_loss(logits: torch.Tensor, symmetric: bool = False) -> torch.Tensor:
-    """Eq. (2): cross-entropy of row i against column i (anchor = the pair's first modality); with `symmetric`,
-    the mean of both directions."""
-    if logits.ndim != 2 or logits.shape[0] != logits.shape[1] or logits.shape[0] == 0:
-        raise ValueError(f"pair logits must be a non-empty square matrix, got shape {tuple(logits.shape)}")
-    targets = torch.arange(logits.shape[0], device=logits.device)
-    loss = F.cross_entropy(logits.float(), targets)
-    if symmetric:
-        loss = (loss + F.cross_entropy(logits.float().T, targets)) / 2
-    return loss
 
 
 def fold_into_clip(

@@ -17,6 +17,9 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the method matrix
+from method_matrix import method_args  # noqa: E402
+
 from hf_ccl.continual import ContinualArguments, ContinualLearner
 from hf_ccl.data import build_stream, load_image_processor, load_tokenizer
 from hf_ccl.distributed import is_main_process
@@ -27,8 +30,6 @@ TRAINING = {
     "num_train_epochs": 2, "per_device_train_batch_size": 16, "learning_rate": 1e-3, "warmup_steps": 0.1,
     "lr_scheduler_type": "cosine", "save_strategy": "steps", "save_steps": 3, "logging_steps": 2,
 }
-METHOD_ARGS = {"er": {"buffer_size": 16}, "derpp": {"buffer_size": 16}, "ctp": {"queue_size": 32},
-               "patching": {"validation_size": 4}}
 
 
 def small_stream():
@@ -61,7 +62,7 @@ def build_learner(output_dir: str, methods: list[str], resume: bool, hub_model_i
         hub_retry_backoff=0.05,
     )
     return ContinualLearner(
-        tiny_clip(seed=3), small_stream(), build_methods(methods, {m: METHOD_ARGS[m] for m in methods if m in METHOD_ARGS}),
+        tiny_clip(seed=3), small_stream(), build_methods(methods, method_args(methods)),
         load_image_processor(32), load_tokenizer(), args, callbacks=callbacks,
     )
 

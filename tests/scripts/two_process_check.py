@@ -4,7 +4,8 @@
    and so do the gradients after DDP-style averaging; also with each half split into 2 accumulated chunks through a
    DDP-wrapped model (`hf_ccl.accumulation`), a term on the parameters themselves included.
 2. A 2-task continual run with ContinualTrainer leaves identical parameters on both ranks.
-3. So does every registered method, and the papers' compositions ([modx, er], [ctp, er], [lwf, er]).
+3. So does every registered method (with `tests/method_matrix.py`'s METHOD_ARGS), and the papers' compositions
+   ([modx, er], [ctp, er], [lwf, er]): the same model state and the same method state on both ranks, bit for bit.
 Writes `rank<r>.json` into the folder given as the first argument.
 """
 
@@ -18,6 +19,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from accelerate import PartialState
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the method matrix
+from method_matrix import method_args, state_digests, task_stream  # noqa: E402
 
 from hf_ccl.continual import ContinualArguments, ContinualLearner
 from hf_ccl.data.collate import load_image_processor, load_tokenizer
@@ -134,19 +138,26 @@ def continual_run(tokenizer, output_dir: Path) -> dict:
 COMPOSITIONS = (("modx", "er"), ("ctp", "er"), ("lwf", "er"))
 #: Runs repeated with 2 accumulated micro-batches per step (exact accumulation through DDP's no_sync).
 ACCUMULATED = (("finetune",), ("ewc",), ("cllclip",), ("modx", "er"), ("ctp", "er"))
-METHOD_ARGS = {"patching": {"validation_size": 8}}
+
+
+def rank_spread(tensors: list[torch.Tensor]) -> float:
+    """max |this rank's value - the other ranks' values| over every element of `tensors` (a collective call)."""
+    flat = torch.cat([t.detach().double().flatten() for t in tensors]) if tensors else torch.zeros(1)
+    high, low = flat.clone(), flat.clone()
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    return (high - low).abs().max().item()
 
 
 def method_matrix(tokenizer, output_dir: Path) -> dict:
-    """Every registered method (and the papers' compositions) for 2 tasks x 2 steps: parameter checksums; the
-    `ACCUMULATED` runs also with gradient_accumulation_steps=2 (keys `accumulate2:<methods>`)."""
+    """Every registered method (and the papers' compositions) for 2 tasks x 2 steps: per run, the sha256 of every
+    model tensor and of every leaf of every method's state, and the largest difference of the model's tensors
+    across ranks; the `ACCUMULATED` runs also with gradient_accumulation_steps=2 (keys `accumulate2:<methods>`)."""
     registered = set(available_methods())
     runs = [((name,), 1) for name in sorted(registered)]
     runs += [(combo, 1) for combo in COMPOSITIONS if set(combo) <= registered]
     runs += [(combo, 2) for combo in ACCUMULATED if set(combo) <= registered]
-    stream = build_stream("digits", max_train_per_task=64, max_eval_per_task=10)
-    stream.tasks = stream.tasks[:2]
-    sums = {}
+    report: dict[str, dict] = {"model_digests": {}, "method_digests": {}, "model_spread": {}}
     for names, accumulation in runs:
         key = "+".join(names) if accumulation == 1 else f"accumulate{accumulation}:" + "+".join(names)
         args = ContinualArguments(  # a compute budget of 2 steps per task (Oracle needs one for its t x C)
@@ -156,14 +167,17 @@ def method_matrix(tokenizer, output_dir: Path) -> dict:
             samples_per_task=2 * 8 * accumulation * world_size(),
             progress=False,
         )
-        options = {name: METHOD_ARGS[name] for name in names if name in METHOD_ARGS}
         learner = ContinualLearner(
-            tiny_clip(seed=0), stream, build_methods(list(names), options), load_image_processor(32), tokenizer, args
+            tiny_clip(seed=0), task_stream(names, train=64, evaluate=10), build_methods(list(names), method_args(names)),
+            load_image_processor(32),
+            tokenizer, args,
         )
         learner.fit()
-        params = torch.cat([p.detach().flatten() for p in learner.model.parameters()])
-        sums[key] = params.double().abs().sum().item()
-    return {"method_param_sums": sums}
+        model_state = learner.model.state_dict()
+        report["model_digests"][key] = state_digests(model_state)
+        report["method_digests"][key] = {method.name: state_digests(method.state_dict()) for method in learner.methods}
+        report["model_spread"][key] = rank_spread([t for t in model_state.values() if t.is_floating_point()])
+    return report
 
 
 def main() -> None:

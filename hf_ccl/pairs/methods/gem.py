@@ -15,6 +15,7 @@ min_v ½ vᵀ(G Gᵀ + εI)v + (G g)ᵀ v s.t. v ≥ γ, γ = `memory_strength` 
 biasing towards backward transfer; CMCL's margin 0.5) and ε = `qp_eps`, and projects only when some ⟨g, g_k⟩ < 0.
 Then G g̃ = r − εv with r = (GGᵀ + εI)v + Gg ≥ 0 the QP's KKT multipliers, so ⟨g̃, g_k⟩ ≥ −ε v_k: the constraints
 hold up to ε v_k (exactly with ε → 0). No quadprog: `solve_box_qp` is an exact active-set solver in float64.
+The QP and both projections live in `hf_ccl.methods.gem_projection` (shared with the full-CLIP `gem` and `agem`).
 
 A-GEM (Chaudhry et al., "Efficient Lifelong Learning with A-GEM", ICLR 2019) keeps a single constraint, on the
 gradient g_ref of a random memory batch (`reference_batch_size` pairs drawn uniformly over all memories, seeded by
@@ -34,8 +35,6 @@ process projects identically without communication.
 
 from __future__ import annotations
 
-import logging
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -44,112 +43,12 @@ import numpy as np
 import torch
 
 from ...methods.base import MethodConfig
+from ...methods.gem_projection import agem_project, flat_grad, gem_project, write_flat_grad
 from .base import PairMethod, PairTaskContext, register_pair_method
 
 if TYPE_CHECKING:
     from ..heads import LearnerHeads
     from ..objective import PairObjective
-
-logger = logging.getLogger(__name__)
-
-
-# ----- the QP (GEM Eq. 12) ----------------------------------------------------------------------------------------
-def box_qp_residual(Q: torch.Tensor, c: torch.Tensor, lower: torch.Tensor | float, v: torch.Tensor) -> float:
-    """‖min(v − lower, Qv + c)‖∞: the natural KKT residual of min ½vᵀQv + cᵀv s.t. v ≥ lower (0 iff optimal)."""
-    Q, c, v = Q.double(), c.double(), v.double()
-    lower = torch.as_tensor(lower, dtype=torch.float64, device=v.device).expand_as(v)
-    if v.numel() == 0:
-        return 0.0
-    return float(torch.minimum(v - lower, Q @ v + c).abs().max())
-
-
-def solve_box_qp(
-    Q: torch.Tensor,
-    c: torch.Tensor,
-    lower: torch.Tensor | float = 0.0,
-    tol: float = 1e-10,
-    max_iter: int | None = None,
-) -> torch.Tensor:
-    """Exact solution of min_v ½ vᵀQv + cᵀv s.t. v ≥ lower, Q symmetric positive definite [t, t] (float64, CPU).
-
-    With u = v − lower this is min ½ uᵀQu + bᵀu, u ≥ 0, b = c + Q·lower, solved by the active-set method of Lawson &
-    Hanson (NNLS, "Solving Least Squares Problems", 1974, ch. 23) on the quadratic: finite, each step an exact
-    solve on the free set. Stops when the KKT residual (`box_qp_residual`) is below `tol` times the problem's scale
-    (max |Q|, |c|); a few sweeps of exact cyclic coordinate descent polish any round-off left.
-    """
-    if Q.ndim != 2 or Q.shape[0] != Q.shape[1] or c.shape != (Q.shape[0],):
-        raise ValueError(f"QP needs Q [t, t] and c [t], got {tuple(Q.shape)} and {tuple(c.shape)}")
-    Q = Q.detach().to("cpu", torch.float64)
-    c = c.detach().to("cpu", torch.float64)
-    t = c.numel()
-    low = torch.as_tensor(lower, dtype=torch.float64).to("cpu").expand(t).clone()
-    if t == 0:
-        return low
-    if not (torch.isfinite(Q).all() and torch.isfinite(c).all()):
-        raise ValueError("QP with non-finite entries (a non-finite gradient?)")
-    Q = (Q + Q.T) / 2
-    b = c + Q @ low
-    scale = max(
-        float(Q.abs().max()), float(c.abs().max()), float(b.abs().max()), torch.finfo(torch.float64).tiny
-    )
-    threshold = tol * scale
-    u = torch.zeros(t, dtype=torch.float64)
-    free = torch.zeros(t, dtype=torch.bool)
-    for _ in range(max_iter or 3 * t + 10):
-        w = -(Q @ u + b)  # the negative gradient; positive entries at u = 0 violate KKT
-        w_bound = w.masked_fill(free, -math.inf)
-        j = int(torch.argmax(w_bound))
-        if float(w_bound[j]) <= threshold:
-            break
-        free[j] = True
-        for _ in range(t + 1):  # each pass that does not end the loop returns at least one index to its bound
-            index = free.nonzero().squeeze(1)
-            s = torch.zeros_like(u)
-            s[index] = torch.linalg.solve(Q[index][:, index], -b[index])
-            if bool((s[index] > 0).all()):
-                u = s
-                break
-            # Step from u towards s until the first free coordinate reaches its bound.
-            blocked = index[s[index] <= 0]
-            gap = u[blocked] - s[blocked]
-            ratios = torch.where(gap > 0, u[blocked] / gap.clamp(min=torch.finfo(torch.float64).tiny), 0.0)
-            k = int(torch.argmin(ratios))
-            u = u + ratios[k].clamp(0.0, 1.0) * (s - u)
-            u[blocked[k]] = 0.0
-            free &= u > 0
-            u[~free] = 0.0
-    # Polish: exact coordinate minimisation, v_i ← max(0, u_i − (Qu + b)_i / Q_ii), until KKT holds to `tol`.
-    for _ in range(100):
-        if box_qp_residual(Q, b, 0.0, u) <= threshold:
-            break
-        for i in range(t):
-            u[i] = max(0.0, float(u[i] - (Q[i] @ u + b[i]) / Q[i, i]))
-    residual = box_qp_residual(Q, b, 0.0, u)
-    if residual > threshold:
-        logger.warning("GEM's QP stopped at KKT residual %.3g (tolerance %.3g)", residual, threshold)
-    return u + low
-
-
-def gem_project(
-    g: torch.Tensor, G: torch.Tensor, margin: float = 0.5, eps: float = 1e-3, tol: float = 1e-10
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """GEM's projection (Eqs. 12–13, official `project2cone2`): v* of min ½vᵀ(GGᵀ + εI)v + (Gg)ᵀv, v ≥ margin,
-    and g̃ = Gᵀv* + g, computed in float64 (returned in g's dtype and device, with v* in float64)."""
-    G64, g64 = G.double(), g.double()
-    Q = G64 @ G64.T + eps * torch.eye(G.shape[0], dtype=torch.float64, device=G.device)
-    v = solve_box_qp(Q, G64 @ g64, margin, tol)
-    projected = G64.T @ v.to(G.device) + g64
-    return projected.to(g.dtype), v
-
-
-def agem_project(g: torch.Tensor, g_ref: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """A-GEM Eq. 11: g − (gᵀg_ref / g_refᵀg_ref) g_ref when gᵀg_ref < 0 (float64 inner products); and whether it
-    projected."""
-    g64, ref64 = g.double(), g_ref.double()
-    dot, norm2 = torch.dot(g64, ref64), torch.dot(ref64, ref64)
-    if float(norm2) == 0.0 or float(dot) >= 0.0:
-        return g, False
-    return (g64 - (dot / norm2) * ref64).to(g.dtype), True
 
 
 # ----- memories ---------------------------------------------------------------------------------------------------
@@ -186,25 +85,6 @@ class PairMemory:
 def shares_head(modalities: Sequence[str], current: Sequence[str]) -> bool:
     """Whether a pair has a head among the current (trainable) pair's."""
     return bool(set(modalities) & set(current))
-
-
-def flat_grad(params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The parameters' `.grad` as one vector (zeros for a missing grad)."""
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-
-
-def write_flat_grad(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
-    """Copy a flat vector back into the parameters' `.grad` (in their dtype)."""
-    offset = 0
-    for p in params:
-        value = flat[offset : offset + p.numel()].view_as(p).to(p.dtype)
-        if p.grad is None:
-            p.grad = value.clone()
-        else:
-            p.grad.copy_(value)
-        offset += p.numel()
-    if offset != flat.numel():
-        raise ValueError(f"flat gradient has {flat.numel()} entries, the parameters {offset}")
 
 
 def grouped_pair_loss(

@@ -1,0 +1,575 @@
+"""GEM and A-GEM on a full CLIP: constrain every step so that the loss on an episodic memory of old tasks does not
+increase (the projections themselves: `hf_ccl.methods.gem_projection`; spec cmcl.md §4).
+
+GEM (Lopez-Paz & Ranzato, "Gradient Episodic Memory for Continual Learning", NeurIPS 2017, §3) asks that no old
+task's memory loss grows, ℓ(f_θ, M_k) ≤ ℓ(f_θ^{t−1}, M_k) for k < t, to first order ⟨g̃, g_k⟩ ≥ 0 with g_k the
+gradient of task k's memory loss; the step uses the closest such gradient to the current one g (Eqs. 10–11),
+computed through the dual QP (Eqs. 12–13) with the official code's margin `memory_strength` and ridge `qp_eps`
+(`project2cone2`; see `gem_projection.gem_project`). It projects only when some ⟨g, g_k⟩ < 0.
+
+A-GEM (Chaudhry et al., "Efficient Lifelong Learning with A-GEM", ICLR 2019, §4) keeps one constraint, on the
+gradient g_ref of a random memory batch of `reference_batch_size` rows drawn uniformly without replacement over all
+memories, and projects with Eq. 11, g̃ = g − (gᵀg_ref / g_refᵀg_ref) g_ref, when gᵀg_ref < 0.
+
+Episodic memory: at the end of task k (`on_task_end`) `memory_per_task` seeded random rows of the task's own
+training split, kept as row indices into `context.stream[k].train` (as the replay buffer keeps references, never
+tensors; all rows when the task has fewer). They are collated by the task's eval-mode `context.collator` (first
+caption of each row, current tokenizer) once per task and kept collated for the task (on the model's device, or the
+CPU with `memory_on_cpu`). A streaming (IterableDataset) train split has no row indices: a run whose tasks before the
+last stream their training data is refused at task start.
+
+The memory loss (a choice, documented): the CLIP contrastive loss of the model on the memory batch alone,
+`regularization.batch_contrastive_loss` — the towers of the model (`embed_images` / `embed_texts`, the text prompt
+included), `logit_scale`, and the collator's positive mask: on one process exactly `model(**batch,
+return_loss=True).loss`. Not the model's `forward` itself, which all-gathers the batch over processes (every process
+holds the same memory: that would duplicate it and communicate) and is the compiled entry point (the memory pass runs
+on the bare model). Other methods' loss terms (distillation, penalties) are left out: GEM constrains the tasks'
+losses, and those terms are regularisers of the current step, not losses of old tasks. A memory batch that mixes
+tasks (A-GEM) is one contrastive batch, as replayed rows are. With `memory_batch_size` a memory batch is encoded in
+chunks of that many rows and its loss is the size-weighted mean of the chunks' contrastive losses (fewer negatives).
+
+The memory pass runs in eval mode (dropout off: the gradient of the old loss itself, not of a random sub-network;
+every module's mode is restored after), under the run's bf16 autocast when `training.bf16` is set (the same precision
+as the training gradient), in float32 under fp16 (there is no loss scaler for it; a non-finite g, an fp16 overflow
+the loss scaler will skip, is left alone; GEM refuses fp16 without clipping, which leaves g multiplied by the loss
+scale, to which its margin is not invariant). Gradients are taken with
+`torch.autograd.grad` w.r.t. the selected parameters (`parameters`: fnmatch patterns over the model's parameter
+names; those without `requires_grad` are left out), so `p.grad` is untouched until the projected gradient is written
+back. Method-owned tensors (`optimizer_parameters`, e.g. CLL-CLIP's temperature) are not constrained.
+
+Where it runs: `pre_optimizer_step`, after backward, gradient clipping and DDP's all-reduce, so g is the same on every
+process; every process holds the same memory and parameters and computes the memory gradients itself (no
+communication), so every process projects identically. After clipping, GEM's g̃ = g + Gᵀv may be longer than
+`max_grad_norm` (A-GEM's projection never lengthens g). Put `gem` after other methods that edit gradients in
+`pre_optimizer_step` (DNS, TEIR) so that its constraints hold on the gradient the optimizer uses.
+
+Compute (`extra_forward_passes`): every step encodes and back-propagates the memory rows once per process: GEM all
+rows of the past tasks' memories (min(memory_per_task, task size) per past task: 0 on the first task, growing with
+the task index), A-GEM min(reference_batch_size, rows in memory). The instance's value is set for the task being
+trained: 3 × rows per step / (per-device batch × accumulation steps), forward + backward ≈ 3 passes per row,
+relative to the training examples each process encodes per step (the class value 0.0 is the first task's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..data.streaming import is_streaming
+from ..validation import ConfigError, check_range
+from .base import ContinualMethod, MethodConfig, TaskContext
+from .gem_projection import agem_project, combine, flat_grad, gem_dual, gem_products, gram, write_flat_grad
+from .registry import register_method
+from .regularization import batch_contrastive_loss
+
+if TYPE_CHECKING:
+    from ..modeling import ContinualCLIPModel
+
+logger = logging.getLogger(__name__)
+
+#: The collated columns the memory loss reads.
+MEMORY_COLUMNS = ("pixel_values", "input_ids", "attention_mask", "text_hash", "image_hash")
+#: Forward + backward of one memory row, in forward passes (`hf_ccl.compute.BACKWARD_FACTOR`).
+PASSES_PER_MEMORY_ROW = 3.0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Configs
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class EpisodicMemoryConfig(MethodConfig):
+    memory_per_task: int = field(
+        default=256,
+        metadata={
+            "help": "Training examples stored per task (a seeded random subset of its train split, all of it when "
+            "smaller); GEM's code: 256 per task, CMCL's buffer size (App. E)."
+        },
+    )
+    parameters: list[str] = field(
+        default_factory=lambda: ["*"],
+        metadata={
+            "help": "fnmatch patterns over parameter names whose gradient is constrained (and w.r.t. which memory "
+            "gradients are taken), e.g. ['text_projection.weight', 'visual_projection.weight']; default every "
+            "trainable parameter. Parameters without requires_grad are left out."
+        },
+    )
+    memory_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Rows per forward of a memory batch; None: a task's whole memory (GEM) or the whole reference "
+            "batch (A-GEM) at once. Smaller bounds activation memory; the loss is then the size-weighted mean of the "
+            "chunks' contrastive losses."
+        },
+    )
+    memory_on_cpu: bool = field(
+        default=False,
+        metadata={
+            "help": "Keep the collated memory on the CPU and copy each memory batch to the model's device when used "
+            "(less accelerator memory, one host-to-device copy per step)."
+        },
+    )
+    seed: int = field(default=0, metadata={"help": "Memory seed, combined with the run's seed and the task index."})
+
+    def __post_init__(self) -> None:
+        check_range("memory_per_task", self.memory_per_task, 1)
+        check_range("memory_batch_size", self.memory_batch_size, 1, also="or null")
+        self.parameters = [str(pattern) for pattern in self.parameters]
+        if not self.parameters:
+            raise ConfigError("parameters must hold at least one pattern, e.g. ['*'] (every trainable parameter)",
+                              "parameters")
+
+
+@dataclass
+class GEMConfig(EpisodicMemoryConfig):
+    memory_strength: float = field(
+        default=0.5,
+        metadata={"help": "γ in v ≥ γ on GEM's dual variables (official `memory_strength`); CMCL's margin 0.5."},
+    )
+    qp_eps: float = field(
+        default=1e-3,
+        metadata={"help": "ε added to the diagonal of GGᵀ (official project2cone2); must be > 0."},
+    )
+    qp_tol: float = field(default=1e-10, metadata={"help": "Relative KKT tolerance of the QP solver; > 0."})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_range("memory_strength", self.memory_strength, 0)
+        check_range("qp_eps", self.qp_eps, 0, low_open=True, also="(GGᵀ is singular with more tasks than parameters)")
+        check_range("qp_tol", self.qp_tol, 0, low_open=True)
+
+
+@dataclass
+class AGEMConfig(EpisodicMemoryConfig):
+    reference_batch_size: int = field(
+        default=256,
+        metadata={"help": "Memory rows in g_ref's batch, drawn uniformly over all memories at every step (A-GEM)."},
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_range("reference_batch_size", self.reference_batch_size, 1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Memory
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class TaskMemory:
+    """The stored rows of task `task_index`: indices into its train split, in their seeded random order."""
+
+    task_index: int
+    task_name: str
+    rows: list[int]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """`model.eval()` for the duration; then every module gets back its own mode (not one mode for all)."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def concat_padded(parts: Sequence[Mapping[str, torch.Tensor]], pad_id: int, side: str) -> dict[str, torch.Tensor]:
+    """Collated batches concatenated row-wise: `input_ids` / `attention_mask` padded (on `side`, with `pad_id` and 0)
+    to one width, then token columns no row attends to dropped, so a subset of collated rows equals the collator's
+    own batch of those rows (it pads to the longest caption)."""
+    keys = list(parts[0])
+    out: dict[str, torch.Tensor] = {}
+    width = max(part["input_ids"].shape[1] for part in parts) if "input_ids" in parts[0] else 0
+    for key in keys:
+        values = []
+        for part in parts:
+            value = part[key]
+            if key in ("input_ids", "attention_mask") and value.shape[1] < width:
+                pad = (0, width - value.shape[1]) if side == "right" else (width - value.shape[1], 0)
+                value = nn.functional.pad(value, pad, value=pad_id if key == "input_ids" else 0)
+            values.append(value)
+        out[key] = values[0] if len(values) == 1 else torch.cat(values)
+    mask = out.get("attention_mask")
+    if mask is not None and "input_ids" in out:
+        used = mask.bool().any(0)
+        if not bool(used.all()):
+            out["input_ids"], out["attention_mask"] = out["input_ids"][:, used], mask[:, used]
+    return out
+
+
+def _autocast(context: TaskContext, device: torch.device) -> contextlib.AbstractContextManager:
+    """The run's bf16 autocast (as `ContinualTrainer` runs the loss), else none (float32; fp16 has no scaler here)."""
+    args = context.training_args
+    if args is not None and getattr(args, "bf16", False):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The shared base
+# ----------------------------------------------------------------------------------------------------------------
+class EpisodicMemoryMethod(ContinualMethod):
+    """Base of GEM and A-GEM: one memory per finished task (indices, in the method state), the selected parameters,
+    and the gradient of the contrastive loss on a memory batch (module docstring)."""
+
+    config_class = EpisodicMemoryConfig
+    config: EpisodicMemoryConfig
+    #: Per-task on the instance (module docstring, "Compute"); the class value is the first task's (no memory yet).
+    extra_forward_passes: ClassVar[float] = 0.0
+    roles = {
+        "previous_model": "constrains each step not to increase the loss on the memories of previous tasks",
+        "gradient_constraint": "rewrites each gradient under constraints from an episodic memory",
+    }
+    conflicts = {"gradient_constraint": "rewrites each gradient under constraints from an episodic memory: use one"}
+
+    def __init__(self, config: MethodConfig | dict[str, Any] | None = None):
+        super().__init__(config)
+        self.memories: list[TaskMemory] = []
+        self._metrics: dict[str, float] = {}
+        self._collated: dict[int, dict[str, torch.Tensor]] = {}
+        self._collated_for: tuple[Any, torch.device] | None = None
+        self._selection: tuple[nn.Module, list[str], list[nn.Parameter]] | None = None
+
+    # ----- hooks -------------------------------------------------------------------------------------------------
+    def on_task_start(self, context: TaskContext) -> None:
+        """Refuse streaming train splits of the tasks whose memory a later task needs (all but the last)."""
+        self._collated, self._collated_for, self._selection = {}, None, None
+        later = context.stream.tasks[context.task_index : len(context.stream) - 1]
+        streaming = [task.name for task in later if is_streaming(task.train)]
+        if streaming:
+            raise ValueError(
+                f"{self.name}: the train split of task(s) {streaming} is a stream (IterableDataset); {self.name}'s "
+                "episodic memory keeps row indices into map-style train splits. Load those tasks as datasets (not "
+                "streaming), or use a method without a memory"
+            )
+
+    def training_overrides(self, context: TaskContext, training: dict[str, Any]) -> dict[str, Any]:
+        """No override: checks, before training, that `parameters` select trainable parameters (every method's
+        `on_task_start` has run, so `requires_grad` is final), and sets this task's compute accounting."""
+        self.selected_parameters(context.model)
+        self._account(context, int(training.get("per_device_train_batch_size", 8)),
+                      int(training.get("gradient_accumulation_steps", 1)))
+        return {}
+
+    def on_task_end(self, context: TaskContext) -> None:
+        """Store `memory_per_task` seeded random rows of the task's train split (all of them when it has fewer)."""
+        train = context.task.train
+        if is_streaming(train):  # only the last task can get here (`on_task_start`): its memory is never used
+            logger.warning("%s: task %r streams its training data; no memory is kept for it", self.name,
+                           context.task.name)
+            return
+        count = len(train)
+        if count == 0:
+            return
+        if count < self.config.memory_per_task:
+            logger.info("%s: task %r has %d training examples, fewer than memory_per_task=%d: all are kept",
+                        self.name, context.task.name, count, self.config.memory_per_task)
+        rng = np.random.default_rng([self.config.seed, context.seed, context.task_index])
+        rows = [int(row) for row in rng.permutation(count)[: self.config.memory_per_task]]
+        memory = TaskMemory(context.task_index, context.task.name, rows)
+        self.memories = sorted([m for m in self.memories if m.task_index != context.task_index] + [memory],
+                               key=lambda m: m.task_index)
+        self._collated.pop(context.task_index, None)
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self._metrics)
+
+    # ----- parameters ----------------------------------------------------------------------------------------------
+    def selected_parameters(self, model: nn.Module) -> tuple[list[str], list[nn.Parameter]]:
+        """Names and parameters matched by `parameters` that require gradients, in `named_parameters` order (cached
+        for the model until the next task). A pattern matching no parameter, or no trainable one matched at all,
+        is a `ConfigError` naming `method_args.<method>.parameters`."""
+        if self._selection is not None and self._selection[0] is model:
+            return self._selection[1], self._selection[2]
+        patterns = self.config.parameters
+        key = f"method_args.{self.name}.parameters"
+        named = list(model.named_parameters())
+        unused = [p for p in patterns if not any(fnmatch.fnmatchcase(name, p) for name, _ in named)]
+        if unused:
+            raise ConfigError(f"{key}: pattern(s) {unused} match no parameter of the model (names look like "
+                              "'text_projection.weight', 'vision_model.encoder.layers.0.mlp.fc1.weight')", key)
+        chosen = [(name, p) for name, p in named
+                  if p.requires_grad and any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)]
+        if not chosen:
+            raise ConfigError(f"{key}: {patterns} match no trainable parameter (all have requires_grad=False)", key)
+        names, params = [name for name, _ in chosen], [p for _, p in chosen]
+        self._selection = (model, names, params)
+        return names, params
+
+    # ----- memory batches ------------------------------------------------------------------------------------------
+    def past_memories(self, context: TaskContext) -> list[TaskMemory]:
+        """Memories of the tasks before the current one."""
+        return [m for m in self.memories if m.task_index < context.task_index]
+
+    def _collated_memory(self, context: TaskContext, memory: TaskMemory, device: torch.device) -> dict[str, torch.Tensor]:
+        """Task `memory`'s rows collated by `context.collator`, once per collator (per task) and device."""
+        collator = context.collator
+        if collator is None:
+            raise ValueError(f"{self.name} needs context.collator (an eval-mode CLIPCollator, set by ContinualLearner)")
+        if self._collated_for is None or self._collated_for[0] is not collator or self._collated_for[1] != device:
+            self._collated, self._collated_for = {}, (collator, device)
+        if memory.task_index not in self._collated:
+            stream = context.stream
+            train = stream[memory.task_index].train if memory.task_index < len(stream) else None
+            size = -1 if train is None or is_streaming(train) else len(train)
+            if max(memory.rows) >= size:
+                raise ValueError(
+                    f"{self.name}: the memory of task {memory.task_index} ({memory.task_name!r}) refers to rows up to "
+                    f"{max(memory.rows)}, which stream {stream.name!r} does not have; was it built on another stream "
+                    "or subsample?"
+                )
+            assert train is not None
+            batch = collator([train[row] for row in memory.rows])
+            self._collated[memory.task_index] = {k: batch[k].to(device) for k in MEMORY_COLUMNS if k in batch}
+        return self._collated[memory.task_index]
+
+    def memory_batch(
+        self,
+        context: TaskContext,
+        parts: Sequence[tuple[TaskMemory, torch.Tensor | None]],
+        device: torch.device,
+        order: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """A collated memory batch on `device`: for each (memory, positions) the rows at `positions` of that memory
+        (None: all), concatenated; `order` then permutes the rows. Equal to the collator's batch of those rows."""
+        store = torch.device("cpu") if self.config.memory_on_cpu else device
+        selected = []
+        for memory, positions in parts:
+            collated = self._collated_memory(context, memory, store)
+            if positions is not None:
+                collated = {k: v.index_select(0, positions.to(v.device)) for k, v in collated.items()}
+            selected.append(collated)
+        tokenizer = getattr(context.collator, "tokenizer", None)
+        pad_id = getattr(tokenizer, "pad_token_id", None)
+        side = getattr(tokenizer, "padding_side", "right")
+        batch = concat_padded(selected, 0 if pad_id is None else int(pad_id), side)
+        if order is not None:
+            batch = {k: v.index_select(0, order.to(v.device)) for k, v in batch.items()}
+        return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+    def loss_gradient(
+        self,
+        model: nn.Module,
+        context: TaskContext,
+        params: Sequence[nn.Parameter],
+        batch: Mapping[str, torch.Tensor],
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """∇ of the contrastive loss of `model` on the memory `batch` w.r.t. `params`, flat (written into `out` when
+        given), in the parameters' dtype (eval mode, the run's bf16 autocast; `p.grad` untouched). With
+        `memory_batch_size` the batch is encoded in chunks and the loss is the size-weighted mean of theirs."""
+        rows = int(batch["pixel_values"].shape[0])
+        size = self.config.memory_batch_size or rows
+        device = params[0].device
+        total: list[torch.Tensor] = []
+        with eval_mode(model), torch.enable_grad(), _autocast(context, device):
+            for start in range(0, rows, size):
+                chunk = {k: v[start : start + size] for k, v in batch.items()}
+                if size < rows:
+                    chunk = concat_padded([chunk], 0, "right")  # drops token columns no row of the chunk attends
+                weight = chunk["pixel_values"].shape[0] / rows
+                loss = batch_contrastive_loss(model, chunk).float() * weight  # type: ignore[arg-type]
+                grads = torch.autograd.grad(loss, list(params), materialize_grads=True)
+                grads = [g.to_dense() if g.is_sparse else g for g in grads]
+                if total:
+                    torch._foreach_add_(total, grads)
+                else:
+                    total = list(grads)  # autograd's own fresh tensors: accumulated into in place
+        flat = [g.reshape(-1).to(p.dtype) for g, p in zip(total, params, strict=True)]
+        return torch.cat(flat, out=out) if out is not None else torch.cat(flat)
+
+    @staticmethod
+    def _nonfinite_memory(what: str, context: TaskContext) -> FloatingPointError:
+        return FloatingPointError(
+            f"Non-finite {what} at task {context.task_index} ({context.task.name!r}), step "
+            f"{context.global_step + 1}: the memory loss overflowed (lower the learning rate or use float32)"
+        )
+
+    # ----- compute accounting --------------------------------------------------------------------------------------
+    def rows_per_step(self, context: TaskContext) -> int:
+        """Memory rows encoded and back-propagated per step while task `context.task_index` trains."""
+        raise NotImplementedError
+
+    def _account(self, context: TaskContext, per_device: int, accumulation: int) -> None:
+        examples = max(1, per_device * accumulation)
+        self.extra_forward_passes = PASSES_PER_MEMORY_ROW * self.rows_per_step(context) / examples
+
+    def _start_step(self, model: nn.Module, context: TaskContext) -> tuple[list[nn.Parameter], torch.Tensor] | None:
+        """The selected parameters and their flat gradient g, or None when there is no memory yet."""
+        if not self.past_memories(context):
+            return None
+        args = context.training_args
+        if args is not None:
+            self._account(context, args.per_device_train_batch_size, args.gradient_accumulation_steps)
+        _, params = self.selected_parameters(model)
+        return params, flat_grad(params)
+
+    # ----- state ---------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "task_index": [m.task_index for m in self.memories],
+            "task_name": [m.task_name for m in self.memories],
+            "rows": [torch.tensor(m.rows, dtype=torch.int64) for m in self.memories],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        columns = [list(state.get(key, [])) for key in ("task_index", "task_name", "rows")]
+        if len({len(column) for column in columns}) != 1:
+            raise ValueError(f"{self.name} state: memory fields of different lengths {[len(c) for c in columns]}")
+        self.memories = sorted(
+            (TaskMemory(int(t), str(name), [int(r) for r in torch.as_tensor(rows).tolist()])
+             for t, name, rows in zip(*columns, strict=True)),
+            key=lambda m: m.task_index,
+        )
+        self._collated, self._collated_for, self._metrics = {}, None, {}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GEM
+# ----------------------------------------------------------------------------------------------------------------
+@register_method
+class GEM(EpisodicMemoryMethod):
+    """GEM: project the gradient so that no past task's memory loss increases (Eqs. 10–13; module docstring).
+
+    Metrics of the last step: `constraints` (past tasks), `violations` (those with ⟨g, g_k⟩ < 0), `projected`
+    (1 when g was replaced; its mean over a logging window is the projected fraction), `grad_change`
+    (‖g̃ − g‖ / ‖g‖), `dual_max` (max v*) and `nonfinite_grad` (1 when g was not finite and left alone)."""
+
+    name = "gem"
+    config_class = GEMConfig
+    config: GEMConfig
+
+    def training_overrides(self, context: TaskContext, training: dict[str, Any]) -> dict[str, Any]:
+        """Also refuses fp16 without clipping: `p.grad` still carries the loss scale when `pre_optimizer_step` runs
+        (only clipping unscales it first), and GEM's projection (its margin) is not scale-invariant."""
+        if training.get("fp16") and not (training.get("max_grad_norm", 1.0) or 0) > 0:
+            raise ConfigError("gem with training.fp16 needs training.max_grad_norm > 0: without clipping the gradient "
+                              "it projects is still multiplied by the loss scale (use bf16, or clip)",
+                              "training.max_grad_norm")
+        return super().training_overrides(context, training)
+
+    def rows_per_step(self, context: TaskContext) -> int:
+        return sum(len(m) for m in self.past_memories(context))
+
+    def memory_gradients(
+        self, model: nn.Module, context: TaskContext, params: Sequence[nn.Parameter]
+    ) -> tuple[list[TaskMemory], torch.Tensor]:
+        """The past memories and G [t−1, P]: row k the gradient of task k's memory loss (its whole memory, one
+        batch) w.r.t. `params`, in their dtype."""
+        memories = self.past_memories(context)
+        device = params[0].device
+        G = torch.empty(len(memories), sum(p.numel() for p in params), dtype=params[0].dtype, device=device)
+        for row, memory in zip(G, memories, strict=True):
+            self.loss_gradient(model, context, params, self.memory_batch(context, [(memory, None)], device), out=row)
+        return memories, G
+
+    def pre_optimizer_step(self, model: ContinualCLIPModel, context: TaskContext) -> None:
+        """Replace g by GEM's projection g̃ = Gᵀv* + g when some ⟨g, g_k⟩ < 0 (Eqs. 12–13)."""
+        self._metrics = dict.fromkeys(
+            ("constraints", "violations", "projected", "grad_change", "dual_max", "nonfinite_grad"), 0.0)
+        started = self._start_step(model, context)
+        if started is None:
+            return
+        params, g = started
+        memories, G = self.memory_gradients(model, context, params)
+        GGt, Gg, gg = gem_products(G, g)  # one pass over G and g, summed in float64
+        if not bool(torch.isfinite(gg)):  # fp16's loss scaler skips this step: leave g alone
+            self._metrics["nonfinite_grad"] = 1.0
+            return
+        if not bool(torch.isfinite(GGt.diagonal()).all()):
+            raise self._nonfinite_memory("GEM memory gradient", context)
+        violations = int((Gg < 0).sum())
+        self._metrics.update(constraints=float(len(memories)), violations=float(violations))
+        if violations == 0:
+            return
+        config = self.config
+        v = gem_dual(GGt, Gg, config.memory_strength, config.qp_eps, config.qp_tol)
+        write_flat_grad(params, combine(g, G, v))
+        v_on = v.to(GGt.device)
+        change2, norm2 = float(v_on @ GGt @ v_on), float(gg)  # ‖g̃ − g‖² = ‖Gᵀv‖² = vᵀGGᵀv
+        self._metrics.update(
+            projected=1.0,
+            grad_change=(max(change2, 0.0) / norm2) ** 0.5 if norm2 > 0 else 0.0,
+            dual_max=float(v.max()),
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A-GEM
+# ----------------------------------------------------------------------------------------------------------------
+@register_method
+class AGEM(EpisodicMemoryMethod):
+    """A-GEM: one constraint, on the gradient of a random memory batch (Eq. 11; module docstring).
+
+    Metrics of the last step: `projected` (1 when gᵀg_ref < 0), `grad_change` (‖g̃ − g‖ / ‖g‖), `ref_cosine`
+    (cos(g, g_ref)) and `nonfinite_grad`."""
+
+    name = "agem"
+    config_class = AGEMConfig
+    config: AGEMConfig
+
+    def rows_per_step(self, context: TaskContext) -> int:
+        return min(self.config.reference_batch_size, sum(len(m) for m in self.past_memories(context)))
+
+    def reference_rows(self, context: TaskContext) -> tuple[list[tuple[TaskMemory, torch.Tensor]], torch.Tensor]:
+        """This step's memory batch: `reference_batch_size` rows drawn uniformly without replacement over every past
+        memory, seeded by (seed, run seed, task, global step), so every process (and a resumed run) draws the same.
+        Returns (memory, sorted positions) per task drawn from and the permutation that puts the grouped rows back
+        in the draw's (random) order."""
+        memories = self.past_memories(context)
+        sizes = [len(m) for m in memories]
+        total = sum(sizes)
+        rng = np.random.default_rng([self.config.seed, context.seed, context.task_index, context.global_step])
+        picks = rng.choice(total, size=min(total, self.config.reference_batch_size), replace=False)
+        grouped = np.argsort(picks, kind="stable")  # positions in `picks` of the rows, by memory and row
+        bounds = np.cumsum([0, *sizes])
+        parts = []
+        for k, memory in enumerate(memories):
+            mine = np.sort(picks[(picks >= bounds[k]) & (picks < bounds[k + 1])]) - bounds[k]
+            if len(mine):
+                parts.append((memory, torch.as_tensor(mine, dtype=torch.int64)))
+        order = torch.as_tensor(np.argsort(grouped, kind="stable"), dtype=torch.int64)
+        return parts, order
+
+    def reference_gradient(
+        self, model: nn.Module, context: TaskContext, params: Sequence[nn.Parameter]
+    ) -> torch.Tensor:
+        """g_ref: the gradient of the contrastive loss on this step's memory batch w.r.t. `params`."""
+        parts, order = self.reference_rows(context)
+        batch = self.memory_batch(context, parts, params[0].device, order)
+        return self.loss_gradient(model, context, params, batch)
+
+    def pre_optimizer_step(self, model: ContinualCLIPModel, context: TaskContext) -> None:
+        """Replace g by g − (gᵀg_ref / g_refᵀg_ref) g_ref when gᵀg_ref < 0 (Eq. 11)."""
+        self._metrics = dict.fromkeys(("projected", "grad_change", "ref_cosine", "nonfinite_grad"), 0.0)
+        started = self._start_step(model, context)
+        if started is None:
+            return
+        params, g = started
+        g_ref = self.reference_gradient(model, context, params)
+        products = gram([g, g_ref])  # blocks summed in float64
+        gg, gr, rr = float(products[0, 0]), float(products[0, 1]), float(products[1, 1])
+        if not torch.isfinite(products[0, 0]):  # fp16's loss scaler skips this step: leave g alone
+            self._metrics["nonfinite_grad"] = 1.0
+            return
+        if not torch.isfinite(products[1, 1]):
+            raise self._nonfinite_memory("A-GEM reference gradient", context)
+        if gg > 0 and rr > 0:
+            self._metrics["ref_cosine"] = gr / (gg * rr) ** 0.5
+        projected, changed = agem_project(g, g_ref, (gr, rr))
+        if not changed:
+            return
+        write_flat_grad(params, projected)
+        self._metrics.update(projected=1.0, grad_change=abs(gr) / (gg * rr) ** 0.5)  # ‖g̃ − g‖ = |gᵀr| / ‖r‖
