@@ -16,7 +16,7 @@ from hf_ccl.evaluation.pairs import diagonal_rank_counts, pair_recall
 from hf_ccl.heads import LearnerHeads, pair_contrastive_loss
 from hf_ccl.methods import build_methods
 from hf_ccl.pair_features import CallableEncoder, PrecomputedEncoder, encode_pair_stream, pair_encoders
-from hf_ccl.testing import tiny_clip
+from hf_ccl.testing import TrainingLogRecorder, tiny_clip
 from hf_ccl.validation import ConfigError
 
 TRAINING = {"max_steps": 4, "per_device_train_batch_size": 16, "learning_rate": 1e-2, "logging_steps": 1}
@@ -229,8 +229,54 @@ def test_encoder_settings_are_checked():
         ContinualArguments(output_dir="x", image_modalities=[""])
 
 
-@pytest.mark.parametrize("method", ["ewc", "er", "derpp", "gem", "lwf"])
+@pytest.mark.parametrize("method", ["er", "derpp", "gem", "lwf"])
 def test_methods_not_made_for_pair_tasks_are_refused(pair_stream, clip_tokenizer, tmp_path, method):
     """ER would mix one pair's feature rows into another pair's batches: refused, naming what works."""
     with pytest.raises(ConfigError, match=rf"\['{method}'\] do not train pair tasks.*learner_heads"):
         _learner(pair_stream, tmp_path, methods=("learner_heads", method), clip_tokenizer=clip_tokenizer)
+
+
+def test_ewc_on_heads_is_the_fisher_of_the_pair_loss(pair_stream, clip_tokenizer, tmp_path):
+    """After task 0 (image-en) online EWC's F is g² of the Eq. 2 loss over the whole task (one Fisher batch), for
+    the two heads that trained and nothing else; task 1 (en-de) is pulled towards task 0's en head."""
+    seen = {}
+
+    class FisherByHand(TaskCallback):
+        def on_task_end(self, args, state, control, **kwargs):
+            if state.task_index == 0:
+                model, task = kwargs["context"].model, kwargs["context"].task
+                rows = task.train.with_format("torch")[:]
+                heads = [model.learner_heads.heads[m].weight for m in task.modalities]
+                loss = model(features_a=rows["features_a"], features_b=rows["features_b"], modality_a="image",
+                             modality_b="en", return_loss=True).loss
+                seen["by_hand"] = [g.pow(2) for g in torch.autograd.grad(loss, heads)]
+                seen["fisher"] = {k: v.clone() for k, v in learner.methods[1].penalty.importance.items()}
+
+    options = {"ewc": {"fisher_batch_size": 64}}
+    learner = _learner(pair_stream, tmp_path, methods=("learner_heads", "ewc"), options=options,
+                       clip_tokenizer=clip_tokenizer)
+    learner.task_callbacks.add([FisherByHand()])
+    recorder = TrainingLogRecorder()
+    learner.task_callbacks.add([recorder])
+    learner.fit()
+    fisher = seen["fisher"]
+    assert sorted(fisher) == ["learner_heads.heads.en.weight", "learner_heads.heads.image.weight"]
+    torch.testing.assert_close(fisher["learner_heads.heads.image.weight"], seen["by_hand"][0], rtol=1e-4, atol=1e-12)
+    torch.testing.assert_close(fisher["learner_heads.heads.en.weight"], seen["by_hand"][1], rtol=1e-4, atol=1e-12)
+    penalties = [log["loss/ewc/penalty"] for log in recorder.step_logs(1)]
+    assert penalties[0] == 0.0 and max(penalties) > 0.0
+
+
+@pytest.mark.parametrize("method", ["si", "mas"])
+def test_si_and_mas_on_heads_weigh_the_heads_that_trained(pair_stream, clip_tokenizer, tmp_path, method):
+    options = {"mas": {"importance_batch_size": 8, "importance_max_batches": 2}} if method == "mas" else {}
+    learner = _learner(TaskStream("two", pair_stream.tasks[:2]), tmp_path, methods=("learner_heads", method),
+                       options=options, clip_tokenizer=clip_tokenizer)
+    recorder = TrainingLogRecorder()
+    learner.task_callbacks.add([recorder])
+    learner.fit()
+    importance = learner.methods[1].penalty.importance
+    assert sorted(importance) == [f"learner_heads.heads.{m}.weight" for m in ("de", "en", "image")]
+    assert all(float(value.abs().sum()) > 0 for value in importance.values())
+    penalties = [log[f"loss/{method}/penalty"] for log in recorder.step_logs(1)]
+    assert penalties[0] == 0.0 and max(penalties) > 0.0

@@ -128,7 +128,8 @@ class LearnerHeadsMethod(ContinualMethod):
             self.base_projections = dict(saved["base_projections"])
 
     def on_task_end(self, context: TaskContext) -> None:
-        self.heads.requires_grad_(False)
+        """Keep the heads as the task left them (drift); the pair's heads stay trainable for the task-end hooks of
+        the methods after this one (EWC's Fisher covers the parameters that trained)."""
         self.heads.snapshot(context.task.name)
 
     def state_dict(self) -> dict[str, Any]:

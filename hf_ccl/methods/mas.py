@@ -77,6 +77,7 @@ class MAS(QuadraticPenaltyMethod):
     """Memory Aware Synapses: importance = sensitivity of the embeddings' squared norm to each parameter."""
 
     name = "mas"
+    trains_pair_tasks = True  # on pair tasks: the trainable heads, with the pair loss (CMCL's baselines)
     config_class = MASConfig
 
     @property

@@ -398,7 +398,10 @@ def task_batches(
 
 
 def batch_contrastive_loss(model: ContinualCLIPModel, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The contrastive loss of this process's batch alone (no all-gather), with the collator's positive mask."""
+    """The contrastive loss of this process's batch alone (no all-gather), with the collator's positive mask; of a
+    pair batch (cached features, `learner_heads`), the pair loss (CMCL Eq. 2)."""
+    if "features_a" in batch:
+        return model(**batch, return_loss=True).loss
     images = model.embed_images(batch["pixel_values"])
     texts = model.embed_texts(batch["input_ids"], batch.get("attention_mask"))
     logits = model.logit_scale.exp() * images @ texts.t()
@@ -408,17 +411,22 @@ def batch_contrastive_loss(model: ContinualCLIPModel, batch: Mapping[str, torch.
 
 def squared_embedding_norms(model: ContinualCLIPModel, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """Mean over the batch of ‖v‖² + ‖w‖², v and w the unnormalised projected image and text embeddings (MAS's
-    ℓ2² output); for a one-example batch, that example's ‖v‖² + ‖w‖²."""
+    ℓ2² output); for a one-example batch, that example's ‖v‖² + ‖w‖². A pair batch: the two learner outputs."""
+    if "features_a" in batch:
+        outputs = model(**batch, return_loss=False)
+        return (outputs.z_a.float().pow(2).sum(-1) + outputs.z_b.float().pow(2).sum(-1)).mean()
     images = model.embed_images(batch["pixel_values"], normalize=False)
     texts = model.embed_texts(batch["input_ids"], batch.get("attention_mask"), normalize=False)
     return (images.float().pow(2).sum(-1) + texts.float().pow(2).sum(-1)).mean()
 
 
 def split_examples(batch: Mapping[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
-    """One-example batches of a collated batch."""
-    size = next(iter(batch.values())).shape[0]
+    """One-example batches of a collated batch (values that are not tensors, such as a pair batch's modality names,
+    are kept as they are)."""
+    size = next(value for value in batch.values() if isinstance(value, torch.Tensor)).shape[0]
     for index in range(size):
-        yield {key: value[index : index + 1] for key, value in batch.items()}
+        yield {key: value[index : index + 1] if isinstance(value, torch.Tensor) else value
+               for key, value in batch.items()}
 
 
 def mean_gradient_statistic(

@@ -136,6 +136,7 @@ class SI(QuadraticPenaltyMethod):
     """Synaptic Intelligence: importance from each parameter's contribution to the loss drop along the path."""
 
     name = "si"
+    trains_pair_tasks = True  # on pair tasks: the trainable heads, with the pair loss (CMCL's baselines)
     config_class = SIConfig
 
     def __init__(self, config: MethodConfig | dict[str, Any] | None = None):
