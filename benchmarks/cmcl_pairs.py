@@ -2,7 +2,8 @@
 
 The prior: a random CLIP {MODEL} trained (all weights) on Flickr8k train images that no task uses, with their
 English and German captions mixed (`--prior-images`, `--prior-epochs`), then frozen; its features are cached.
-The stream (`hf_ccl.pairs.builders.flickr_fashion_pairs`): image–en, en–de, image–de (Flickr8k, disjoint images),
+Every run goes through `ContinualLearner` with `learner_heads` and the method (the one loop; before issue 13 it
+had its own `PairStreamLearner`). The stream (`hf_ccl.data.pair_streams.flickr_fashion_pairs`): image–en, en–de, image–de (Flickr8k, disjoint images),
 image–en on Fashion product titles; `--train-per-task` pairs each, `--test-per-task` test pairs each.
 
 Per method and seed: R@1 (mean of both directions, dot-product scores as in the paper) on every task after every
@@ -26,23 +27,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hf_ccl.callbacks import TaskCallback
 from hf_ccl.continual import ContinualArguments, ContinualLearner
 from hf_ccl.data import load_image_processor, load_tokenizer
 from hf_ccl.data.builders import load_split, to_canonical
 from hf_ccl.data.named import bundled
+from hf_ccl.data.pair_streams import flickr_fashion_pairs, flickr_reserved_rows
 from hf_ccl.data.task import Task, TaskStream
 from hf_ccl.evaluation.continual_metrics import backward_transfer, final_average
 from hf_ccl.methods import build_methods
-from hf_ccl.pairs.builders import flickr_fashion_pairs, flickr_reserved_rows
-from hf_ccl.pairs.encoders import clip_encoders
-from hf_ccl.pairs.features import encode_task
-from hf_ccl.pairs.learner import PairStreamArguments, PairStreamLearner
+from hf_ccl.pair_features import encode_pair_stream, pair_encoders
 from hf_ccl.paths import data_root
 from hf_ccl.testing import tiny_clip
 
 MODEL = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "projection_dim": 64, "image_size": 32}
 CONFIGS: dict[str, tuple[list[str], dict]] = {
-    "vanilla": (["vanilla"], {}),
+    "vanilla": (["finetune"], {}),
     "dns": (["dns"], {}),
     "dns-one-sided": (["dns"], {"dns": {"variant": "one_sided"}}),
     "dns-official": (["dns"], {"dns": {"preset": "official"}}),
@@ -53,7 +53,7 @@ CONFIGS: dict[str, tuple[list[str], dict]] = {
     ),
     "gem": (["gem"], {}),
     "agem": (["agem"], {}),
-    "ewc": (["ewc"], {}),
+    "ewc": (["ewc"], {"ewc": {"ewc_lambda": 0.5}}),  # CMCL §4's λ (hf_ccl's CLIP default is the CTP code's 5000)
     "derpp": (["derpp"], {}),
 }
 OUT = Path(__file__).parent / "results"
@@ -105,25 +105,47 @@ def train_prior(options, tokenizer, image_processor) -> torch.nn.Module:
     return learner.model.eval().requires_grad_(False)
 
 
-def run(label: str, prior, encoders, stream, options, seed: int, features) -> dict:
+class Timings(TaskCallback):
+    """Per task: training time and optimizer steps (the Trainer's), and the methods' task-end work (the time
+    between the task's evaluation and its end event, where only the methods' `on_task_end` runs)."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, float]] = []
+        self._evaluated = 0.0
+
+    def on_task_trained(self, args, state, control, **kwargs):  # noqa: ANN001 (task callback protocol)
+        trainer = kwargs["trainer"]
+        seconds = next(log["train_runtime"] for log in trainer.state.log_history if "train_runtime" in log)
+        steps = max(trainer.state.global_step, 1)
+        self.records.append({"train_seconds": seconds, "steps": steps, "seconds_per_step": seconds / steps})
+
+    def on_task_evaluated(self, args, state, control, **kwargs):  # noqa: ANN001
+        self._evaluated = time.perf_counter()
+
+    def on_task_end(self, args, state, control, **kwargs):  # noqa: ANN001
+        self.records[-1]["method_task_seconds"] = time.perf_counter() - self._evaluated
+
+
+def run(label: str, prior, stream, options, seed: int) -> dict:
+    """One method on the (already encoded) stream, from the frozen prior."""
     names, method_args = CONFIGS[label]
-    args = PairStreamArguments(
+    args = ContinualArguments(
         output_dir=f"/tmp/hf_ccl_cmcl/{label}-{seed}",
-        learning_rate=options.lr,
-        weight_decay=1e-3,
-        batch_size=64,
-        epochs=options.epochs,
-        seed=seed,
-        resume=False,
-        logging_steps=1000,
+        training={"learning_rate": options.lr, "weight_decay": 1e-3, "per_device_train_batch_size": 64,
+                  "num_train_epochs": options.epochs, "max_grad_norm": 1.0, "lr_scheduler_type": "linear",
+                  "warmup_steps": 0, "dataloader_drop_last": True, "logging_steps": 1000},
+        seed=seed, overwrite_output_dir=True, progress=False,
     )
-    learner = PairStreamLearner(
-        stream, encoders, args, methods=names, method_args=method_args, clip=prior, features=features
+    timings = Timings()
+    learner = ContinualLearner(
+        copy.deepcopy(prior), stream, build_methods(["learner_heads", *names], method_args),
+        load_image_processor(MODEL["image_size"]), load_tokenizer(), args, task_callbacks=[timings],
     )
     started = time.perf_counter()
-    matrix = learner.run()
+    matrix = learner.fit()
     wall = time.perf_counter() - started
-    rows = [row for row in matrix.rows]
+    records = timings.records
+    rows = list(matrix.rows)
     r1 = np.array([[row.metrics[t]["R@1"] for t in stream.task_names] for row in rows])
     cos = np.array(
         [[row.metrics[t].get("cos_R@1", row.metrics[t]["R@1"]) for t in stream.task_names] for row in rows]
@@ -144,9 +166,9 @@ def run(label: str, prior, encoders, stream, options, seed: int, features) -> di
         "final_r10": final_average(r10),
         "drift": drift,
         "mean_drift": float(np.nanmean(drift)),
-        "step_s": statistics.median(t["seconds_per_step"] for t in learner.timings),
-        "train_s": sum(t["train_seconds"] for t in learner.timings),
-        "method_task_s": sum(t["method_task_seconds"] for t in learner.timings),
+        "step_s": statistics.median(t["seconds_per_step"] for t in records),
+        "train_s": sum(t["train_seconds"] for t in records),
+        "method_task_s": sum(t["method_task_seconds"] for t in records),
         "wall_s": wall,
     }
 
@@ -174,7 +196,7 @@ def summarize(results: list[dict], labels: list[str], stream, options, prior_not
         f"--prior-images {options.prior_images} --prior-epochs {options.prior_epochs} "
         f"--timing-repeats {options.timing_repeats}`  ",
         f"{prior_note}  ",
-        f"Tasks: {', '.join(f'{t.name} ({t.modality_a}–{t.modality_b})' for t in stream)}; "
+        f"Tasks: {', '.join(f'{t.name} ({t.modalities[0]}–{t.modalities[1]})' for t in stream)}; "
         f"{options.train_per_task} train / {options.test_per_task} test pairs each; AdamW lr {options.lr}, wd 1e-3, "
         f"batch 64, {options.epochs} epochs per task, τ = 1/exp(logit_scale) of the prior, one-directional Eq. 2. "
         f"Mean ± std over seeds {seeds} (a seed changes the task samples and the heads' training).",
@@ -287,12 +309,12 @@ def main() -> None:
             reserve_train_images=options.prior_images,
             seed=seed,
         )
-        encoders = clip_encoders(copy.deepcopy(prior), image_processor, tokenizer)
-        features = [encode_task(task, encoders) for task in stream]  # once per seed, shared by every method
+        encoders = pair_encoders(copy.deepcopy(prior), image_processor, tokenizer, stream.modalities)
+        stream = encode_pair_stream(stream, encoders)  # once per seed, shared by every method
         seed_results = {}
         for _repeat in range(options.timing_repeats):  # interleaved repeats; the fastest training time counts
             for label in labels:
-                result = run(label, prior, encoders, stream, options, seed, features)
+                result = run(label, prior, stream, options, seed)
                 if label in seed_results:
                     kept = seed_results[label]
                     kept["train_s"] = min(kept["train_s"], result["train_s"])

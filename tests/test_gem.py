@@ -8,6 +8,7 @@ task, {2, 3}, agrees with {0, 1} on a tiny CLIP after its first step: the projec
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,15 @@ from hf_ccl.data.collate import CLIPCollator
 from hf_ccl.methods import TaskContext, build_methods, load_method_states, save_method_states
 from hf_ccl.methods import gem_projection as projection
 from hf_ccl.methods.gem import AGEM, GEM, TaskMemory
-from hf_ccl.methods.gem_projection import agem_project, dots, flat_grad, gem_project, write_flat_grad
+from hf_ccl.methods.gem_projection import (
+    agem_project,
+    box_qp_residual,
+    dots,
+    flat_grad,
+    gem_project,
+    solve_box_qp,
+    write_flat_grad,
+)
 from hf_ccl.methods.regularization import batch_contrastive_loss
 from hf_ccl.testing import tiny_clip
 from hf_ccl.validation import ConfigError
@@ -72,6 +81,114 @@ def test_agem_projection_by_hand():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(projection, "CHUNK", 2)
         torch.testing.assert_close(agem_project(g, g_ref)[0], projected)
+    g = torch.tensor([1.0, -2.0, 0.5])  # gᵀg_ref = −1.5: g̃ = g + (1.5 / 2) g_ref, orthogonal to g_ref
+    projected, changed = agem_project(g, g_ref)
+    assert changed
+    torch.testing.assert_close(projected, g - (-1.5 / 2.0) * g_ref)
+    assert abs(float(projected @ g_ref)) < 1e-6
+
+
+# ----- GEM's QP (moved from the pairs package's tests) --------------------------------------------------------------
+def test_gem_projection_hand_computed_two_tasks():
+    G = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]], dtype=torch.float64)  # GGᵀ = [[1, 1], [1, 2]]
+    # Interior: v = −(GGᵀ)⁻¹ G g = (1, 1) ≥ 0.5, and g̃ = g + g₁ + g₂ is orthogonal to both.
+    g = torch.tensor([-2.0, -1.0, 1.0], dtype=torch.float64)
+    projected, v = gem_project(g, G, margin=0.5, eps=1e-12)
+    torch.testing.assert_close(v, torch.tensor([1.0, 1.0], dtype=torch.float64))
+    torch.testing.assert_close(projected, torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64))
+    # One multiplier on its bound: v₂ = 0.5, v₁ = 2 − 0.5 = 1.5 (and ∂/∂v₂ = 1.5 + 1 − 1 ≥ 0).
+    g = torch.tensor([-2.0, 1.0, 1.0], dtype=torch.float64)
+    projected, v = gem_project(g, G, margin=0.5, eps=1e-12)
+    torch.testing.assert_close(v, torch.tensor([1.5, 0.5], dtype=torch.float64))
+    torch.testing.assert_close(projected, torch.tensor([0.0, 1.5, 1.0], dtype=torch.float64))
+    # A large margin binds both: v = (1.5, 1.5).
+    g = torch.tensor([-2.0, -1.0, 1.0], dtype=torch.float64)
+    projected, v = gem_project(g, G, margin=1.5, eps=1e-12)
+    torch.testing.assert_close(v, torch.tensor([1.5, 1.5], dtype=torch.float64))
+    torch.testing.assert_close(projected, torch.tensor([1.0, 0.5, 1.0], dtype=torch.float64))
+    # The official ε = 1e-3 on an orthonormal G: v = max(margin, −Gg / (1 + ε)), so ⟨g̃, g₁⟩ = −ε v₁ (not 0).
+    G = torch.tensor([[0.0, 1.0], [1.0, 0.0]], dtype=torch.float64)
+    g = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    projected, v = gem_project(g, G, margin=0.5, eps=1e-3)
+    torch.testing.assert_close(v, torch.tensor([1 / 1.001, 0.5], dtype=torch.float64))
+    torch.testing.assert_close(projected, torch.tensor([1.5, -1 + 1 / 1.001], dtype=torch.float64))
+
+
+def _random_qp(seed: int, t: int, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    G = torch.randn(t, p, generator=generator, dtype=torch.float64)
+    if t > 2:
+        G[-1] = G[0] + G[1]  # linearly dependent rows: GGᵀ is singular without ε
+    g = torch.randn(p, generator=generator, dtype=torch.float64) - G.sum(0) / t  # violates some constraints
+    return G, g
+
+
+@pytest.mark.parametrize("margin", [0.0, 0.5])
+@pytest.mark.parametrize(
+    ("seed", "t", "p"), [(0, 1, 5), (1, 2, 6), (2, 4, 30), (3, 9, 30), (4, 15, 40), (5, 12, 5)]
+)
+def test_box_qp_matches_brute_force(seed: int, t: int, p: int, margin: float):
+    G, g = _random_qp(seed, t, p)
+    eps = 1e-3
+    Q = G @ G.T + eps * torch.eye(t, dtype=torch.float64)
+    c = G @ g
+    v = solve_box_qp(Q, c, margin, tol=1e-12)
+    scale = max(float(Q.abs().max()), float(c.abs().max()))
+    assert box_qp_residual(Q, c, margin, v) <= 1e-9 * scale  # KKT: v ≥ γ, r ≥ 0, (v − γ)·r = 0
+    assert bool((v >= margin).all())
+
+    def objective(x: torch.Tensor) -> float:
+        return float(0.5 * x @ Q @ x + c @ x)
+
+    # No feasible point does better: random feasible points and every coordinate nudge.
+    generator = torch.Generator().manual_seed(100 + seed)
+    others = margin + torch.rand(2000, t, generator=generator, dtype=torch.float64) * (2 * float(v.max()) + 1)
+    values = 0.5 * torch.einsum("ni,ij,nj->n", others, Q, others) + others @ c
+    assert objective(v) <= float(values.min()) + 1e-12 * scale
+    for i, step in itertools.product(range(t), (1e-4, -1e-4)):
+        nudged = v.clone()
+        nudged[i] = max(margin, float(nudged[i]) + step)
+        assert objective(v) <= objective(nudged) + 1e-12 * scale
+    optimize = pytest.importorskip("scipy.optimize")
+    reference = optimize.minimize(
+        lambda x: objective(torch.from_numpy(x)),
+        x0=torch.full((t,), margin + 1.0, dtype=torch.float64).numpy(),
+        jac=lambda x: (Q @ torch.from_numpy(x) + c).numpy(),
+        bounds=[(margin, None)] * t,
+        method="L-BFGS-B",
+        options={"ftol": 1e-15, "gtol": 1e-12, "maxiter": 10_000},
+    )
+    assert objective(v) <= reference.fun + 1e-9 * scale
+    torch.testing.assert_close(
+        v, torch.from_numpy(reference.x), atol=1e-4 * max(1.0, float(v.abs().max())), rtol=0
+    )
+
+
+@pytest.mark.parametrize("margin", [0.0, 0.5])
+def test_box_qp_two_tasks_against_a_grid(margin: float):
+    G, g = _random_qp(7, 2, 6)
+    Q, c = G @ G.T + 1e-3 * torch.eye(2, dtype=torch.float64), G @ g
+    v = solve_box_qp(Q, c, margin)
+    axis = torch.linspace(margin, margin + 3 * float(v.max()) + 1, 1201, dtype=torch.float64)
+    grid = torch.cartesian_prod(axis, axis)
+    values = 0.5 * torch.einsum("ni,ij,nj->n", grid, Q, grid) + grid @ c
+    best = grid[values.argmin()]
+    assert float(0.5 * v @ Q @ v + c @ v) <= float(values.min()) + 1e-12
+    torch.testing.assert_close(v, best, atol=float(axis[1] - axis[0]), rtol=0)
+
+
+@pytest.mark.parametrize(("seed", "t"), [(0, 2), (1, 5), (2, 12)])
+def test_gem_projection_satisfies_constraints(seed: int, t: int):
+    G, g = _random_qp(seed, t, 30)
+    assert bool((G @ g < 0).any())
+    # With ε → 0 the projection is exact: ⟨g̃, g_k⟩ ≥ 0 for every k.
+    projected, v = gem_project(g, G, margin=0.0, eps=1e-12, tol=1e-13)
+    assert bool((G @ projected >= -1e-8).all())
+    projected, v = gem_project(g, G, margin=0.5, eps=1e-12, tol=1e-13)
+    assert bool((G @ projected >= -1e-8).all())
+    # With the official ε, ⟨g̃, g_k⟩ = r_k − ε v_k ≥ −ε v_k.
+    projected, v = gem_project(g, G, margin=0.5, eps=1e-3)
+    assert bool((G @ projected >= -1e-3 * v - 1e-9).all())
 
 
 def test_flat_gradients_round_trip_and_keep_missing_grads_missing():

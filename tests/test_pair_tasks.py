@@ -3,6 +3,8 @@ transform, Recall@K and drift in the evaluator, checkpoints that are plain CLIPs
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -206,20 +208,22 @@ def test_bad_combinations_fail_before_training(pair_stream, clip_tokenizer, tmp_
 
 def test_the_pair_recipe_runs_from_the_command_line(tmp_path, capsys):
     """recipes/configs/cmcl-pairs.yaml through `hf-ccl train` (what `accelerate launch recipes/train.py` runs), on a
-    tiny random CLIP: every task folder is a plain CLIP with its processor."""
+    tiny random CLIP, with the recipe's methods (learner_heads, dns): every task folder is a plain CLIP with its
+    processor, and DNS's covariances are in its method state."""
     from hf_ccl.cli import main
 
     overrides = [
         f"output_dir={tmp_path}", "progress=false", "training.max_steps=2", "training.per_device_train_batch_size=16",
         "stream_args.max_train_per_task=32", "stream_args.max_eval_per_task=16", "model.pretrained=null",
         "model.config={hidden_size: 32, num_layers: 1, num_heads: 2, image_size: 32, patch_size: 8, projection_dim: 32}",
-        "methods=[learner_heads]", "method_args={}",
     ]
     assert main(["train", "--config", "cmcl-pairs", *overrides]) == 0
     assert "| after fashion-image-en |" in capsys.readouterr().out
     folder = tmp_path / "task-3"
     assert CLIPModel.from_pretrained(folder).config.projection_dim == 32
     assert CLIPProcessor.from_pretrained(folder).tokenizer is not None
+    state = json.loads((folder / "method_state.json").read_text())
+    assert sorted(state) == ["dns", "learner_heads"] and state["dns"]["state"]["covariances"]
 
 
 def test_encoder_settings_are_checked():
@@ -229,7 +233,7 @@ def test_encoder_settings_are_checked():
         ContinualArguments(output_dir="x", image_modalities=[""])
 
 
-@pytest.mark.parametrize("method", ["er", "derpp", "gem", "lwf"])
+@pytest.mark.parametrize("method", ["er", "derpp", "lwf", "modx"])
 def test_methods_not_made_for_pair_tasks_are_refused(pair_stream, clip_tokenizer, tmp_path, method):
     """ER would mix one pair's feature rows into another pair's batches: refused, naming what works."""
     with pytest.raises(ConfigError, match=rf"\['{method}'\] do not train pair tasks.*learner_heads"):
@@ -280,3 +284,26 @@ def test_si_and_mas_on_heads_weigh_the_heads_that_trained(pair_stream, clip_toke
     assert all(float(value.abs().sum()) > 0 for value in importance.values())
     penalties = [log[f"loss/{method}/penalty"] for log in recorder.step_logs(1)]
     assert penalties[0] == 0.0 and max(penalties) > 0.0
+
+
+def test_ewc_decays_only_the_heads_that_trained(pair_stream, clip_tokenizer, tmp_path):
+    """CMCL's EWC baseline: at task 1 (en-de) F ← γF + F_t for en and de only; image did not train, so its F and θ*
+    stay as task 0 left them (γ does not decay it), and `average` counts the tasks per head."""
+    snapshots = []
+
+    class KeepImportance(TaskCallback):
+        def on_task_end(self, args, state, control, **kwargs):
+            penalty = learner.methods[1].penalty
+            snapshots.append(({k: v.clone() for k, v in penalty.importance.items()},
+                              {k: v.clone() for k, v in penalty.anchor.items()}))
+
+    options = {"ewc": {"gamma": 0.5, "fisher_batch_size": 32}}
+    learner = _learner(TaskStream("two", pair_stream.tasks[:2]), tmp_path, methods=("learner_heads", "ewc"),
+                       options=options, clip_tokenizer=clip_tokenizer)
+    learner.task_callbacks.add([KeepImportance()])
+    learner.fit()
+    (first, first_anchor), (second, second_anchor) = snapshots
+    image, en, de = (f"learner_heads.heads.{m}.weight" for m in ("image", "en", "de"))
+    assert torch.equal(second[image], first[image]) and torch.equal(second_anchor[image], first_anchor[image])
+    assert sorted(second) == sorted([image, en, de]) and not torch.equal(second[en], 0.5 * first[en])
+    assert learner.methods[1].parameter_tasks == {image: 1, en: 2, de: 1}

@@ -9,7 +9,8 @@ sample has an equal probability of being kept", updated once after each task) an
                                                 i >  K: j ~ U{0, ..., i-1};  j < K: slot j <- example
 
 so after n examples every one of them is in the buffer with probability K/n. One slot holds one training example
-(a row of a task's canonical train split: one image and its captions), so the budget K counts image-text pairs.
+(a row of a task's canonical train split: one image and its captions; on a pair task, one pair of cached features),
+so the budget K counts image-text pairs (modality pairs).
 """
 
 from __future__ import annotations
@@ -48,6 +49,19 @@ class ReservoirBuffer:
     def refs(self) -> list[tuple[int, int]]:
         """`(task index, row index)` of every slot, in slot order."""
         return list(zip(self._tasks, self._rows, strict=True))
+
+    def slot_tasks(self) -> np.ndarray:
+        """The task index of every slot (int64 [len(self)])."""
+        return np.asarray(self._tasks, dtype=np.int64)
+
+    def set_capacity(self, capacity: int) -> None:
+        """Change the budget before the reservoir has seen any example (a method whose default budget depends on
+        the stream it trains)."""
+        if self.num_seen:
+            raise ValueError(f"The buffer budget is fixed once examples are seen ({self.num_seen} seen)")
+        if capacity < 0:
+            raise ValueError(f"Buffer capacity must be >= 0, got {capacity}")
+        self.capacity = int(capacity)
 
     def task_counts(self) -> dict[int, int]:
         """How many slots hold examples of each task."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import inspect
 import io
-from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -28,10 +27,9 @@ from .builders import (
     stream_random_split,
 )
 from .languages import FLICKR8K_LANGUAGES, flickr8k_languages
+from .pair_streams import flickr_fashion_pairs_stream  # noqa: F401  (registers flickr-fashion-pairs)
+from .stream_registry import NAMED_STREAMS, bundled, register
 from .task import TaskStream
-
-StreamBuilder = Callable[..., TaskStream]
-NAMED_STREAMS: dict[str, StreamBuilder] = {}
 
 DIGIT_CLASS_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 DIGIT_TRAIN_TEMPLATES = ("a photo of the digit {label}.",)
@@ -86,27 +84,6 @@ PACS_DOMAINS = ("photo", "art_painting", "cartoon", "sketch")
 FASHION_CATEGORIES = ("Apparel", "Accessories", "Footwear", "Personal Care")
 #: End years of the `fashion-years` steps: <=2011 | 2012 | 2013-2015 | 2016 | 2017-2019.
 FASHION_YEAR_BOUNDARIES = (2011, 2012, 2015, 2016, 2019)
-
-
-def register(name: str) -> Callable[[StreamBuilder], StreamBuilder]:
-    """Add a builder `fn(root: Path, common: dict, **kwargs) -> TaskStream` to `NAMED_STREAMS`."""
-
-    def decorate(function: StreamBuilder) -> StreamBuilder:
-        NAMED_STREAMS[name] = function
-        return function
-
-    return decorate
-
-
-def bundled(root: Path, folder: str) -> Path:
-    """A bundled dataset folder under the data root; a missing one is an error (never a Hub lookup)."""
-    path = root / folder
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"Dataset folder {path} not found. Point data_root (or $HF_CCL_DATA_ROOT) at the folder that holds "
-            f"flickr8k/, pacs/, rsscn7/, fashion/ (the project's ../shared/datasets)."
-        )
-    return path
 
 
 COMMON_STREAM_OPTIONS = ("data_root", "seed", "max_train_per_task", "max_eval_per_task", "validate_images")
@@ -357,5 +334,3 @@ def fashion_years(
         **common,
     )
 
-
-from . import pair_streams  # noqa: E402,F401  (registers flickr-fashion-pairs; it imports this module's names)

@@ -26,7 +26,7 @@ from datasets import Dataset
 
 from .builders import load_split
 from .languages import FLICKR8K_LANGUAGES, rows_with_captions
-from .named import bundled, register
+from .stream_registry import bundled, register
 from .task import Task, TaskStream
 
 #: (dataset, modality a, modality b) of the default stream.

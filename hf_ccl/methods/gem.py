@@ -48,6 +48,20 @@ rows of the past tasks' memories (min(memory_per_task, task size) per past task:
 the task index), A-GEM min(reference_batch_size, rows in memory). The instance's value is set for the task being
 trained: 3 × rows per step / (per-device batch × accumulation steps), forward + backward ≈ 3 passes per row,
 relative to the training examples each process encodes per step (the class value 0.0 is the first task's).
+
+Pair tasks (CMCL's setting, Liu et al., "Continual Multimodal Contrastive Learning", NeurIPS 2025; spec cmcl.md §4,
+GEM with margin 0.5): list the method after `learner_heads`, which attaches the per-modality heads at task start,
+freezes the CLIP and lets only the current pair's two heads train. Task k's memory holds row indices into its cached
+feature split (`hf_ccl.pair_features`), batched with task k's own modalities (`PairFeatureCollator(task.modalities)`,
+whichever pair trains now); its loss is the pair loss of Eq. 2 of CMCL on task k's heads, through the model
+(`batch_contrastive_loss`, the forward's pair branch, which gathers nothing). The gradients are those of the
+parameters that train (the current pair's heads, within `parameters`), so a past task that shares neither head with
+the current pair has g_k = 0, no constraint, and is skipped (GEM: not a row of G; A-GEM: its drawn rows add nothing
+to g_ref and are not encoded). Different pairs use different heads and their negatives come from their own task, so
+an A-GEM memory batch is one batch per task drawn from, its loss the size-weighted sum Σ_k (n_k / n) L_k over the n
+drawn rows. GEM's dual QP (Eqs. 12–13, margin `memory_strength`, ridge `qp_eps`) and A-GEM's projection (Eq. 11) are
+the same as on a CLIP. Compute counts only the encoded rows: GEM's of the tasks sharing a head, A-GEM's expected
+share of its reference batch drawn from them.
 """
 
 from __future__ import annotations
@@ -64,6 +78,7 @@ import torch
 from torch import nn
 
 from ..data.streaming import is_streaming
+from ..pair_features import FEATURE_COLUMNS, PairFeatureCollator
 from ..validation import ConfigError, check_range
 from .base import ContinualMethod, MethodConfig, TaskContext
 from .gem_projection import agem_project, combine, flat_grad, gem_dual, gem_products, gram, write_flat_grad
@@ -71,11 +86,12 @@ from .registry import register_method
 from .regularization import batch_contrastive_loss
 
 if TYPE_CHECKING:
+    from ..data.task import Task
     from ..modeling import ContinualCLIPModel
 
 logger = logging.getLogger(__name__)
 
-#: The collated columns the memory loss reads.
+#: The collated columns the memory loss reads (a pair task's: `FEATURE_COLUMNS`, with its modality names).
 MEMORY_COLUMNS = ("pixel_values", "input_ids", "attention_mask", "text_hash", "image_hash")
 #: Forward + backward of one memory row, in forward passes (`hf_ccl.compute.BACKWARD_FACTOR`).
 PASSES_PER_MEMORY_ROW = 3.0
@@ -217,12 +233,45 @@ def _autocast(context: TaskContext, device: torch.device) -> contextlib.Abstract
     return contextlib.nullcontext()
 
 
+def batch_rows(batch: Mapping[str, Any]) -> int:
+    """Rows of a collated batch (its first tensor's; a pair batch also holds its modality names)."""
+    return int(next(value for value in batch.values() if isinstance(value, torch.Tensor)).shape[0])
+
+
+def batch_chunks(batch: Mapping[str, Any], size: int) -> Iterator[tuple[dict[str, Any], float]]:
+    """The batch in chunks of `size` rows, each with its share of the rows; a CLIP chunk drops the token columns
+    none of its rows attends (as the collator's batch of those rows would)."""
+    rows = batch_rows(batch)
+    for start in range(0, rows, size):
+        chunk = {k: v[start : start + size] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        if size < rows and "input_ids" in chunk:
+            chunk = concat_padded([chunk], 0, "right")
+        yield chunk, batch_rows(chunk) / rows
+
+
+def in_dtype(batch: Mapping[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """A pair batch's float features in the heads' dtype (the cached features are float32); other batches as
+    they are."""
+    if "features_a" not in batch:
+        return dict(batch)
+    return {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in batch.items()}
+
+
+def head_parameter_ids(model: nn.Module, modalities: Sequence[str]) -> set[int]:
+    """Ids of the parameters of the learner heads of `modalities` (none on a model without heads)."""
+    heads = getattr(model, "learner_heads", None)
+    if heads is None:
+        return set()
+    return {id(p) for modality in modalities if modality in heads.heads for p in heads.heads[modality].parameters()}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The shared base
 # ----------------------------------------------------------------------------------------------------------------
 class EpisodicMemoryMethod(ContinualMethod):
     """Base of GEM and A-GEM: one memory per finished task (indices, in the method state), the selected parameters,
-    and the gradient of the contrastive loss on a memory batch (module docstring)."""
+    and the gradient of the contrastive loss on a memory batch, of a CLIP or of the learner heads (module
+    docstring)."""
 
     config_class = EpisodicMemoryConfig
     config: EpisodicMemoryConfig
@@ -233,6 +282,9 @@ class EpisodicMemoryMethod(ContinualMethod):
         "gradient_constraint": "rewrites each gradient under constraints from an episodic memory",
     }
     conflicts = {"gradient_constraint": "rewrites each gradient under constraints from an episodic memory: use one"}
+    trains_pair_tasks = True  # on pair tasks: the memories' pair losses, constraining the current pair's heads
+    runs_after = {"learner_heads": "constrains the gradients of the learner heads, which learner_heads attaches at "
+                  "task start"}
 
     def __init__(self, config: MethodConfig | dict[str, Any] | None = None):
         super().__init__(config)
@@ -258,8 +310,8 @@ class EpisodicMemoryMethod(ContinualMethod):
     def training_overrides(self, context: TaskContext, training: dict[str, Any]) -> dict[str, Any]:
         """No override: checks, before training, that `parameters` select trainable parameters (every method's
         `on_task_start` has run, so `requires_grad` is final), and sets this task's compute accounting."""
-        self.selected_parameters(context.model)
-        self._account(context, int(training.get("per_device_train_batch_size", 8)),
+        _, params = self.selected_parameters(context.model)
+        self._account(context.model, context, params, int(training.get("per_device_train_batch_size", 8)),
                       int(training.get("gradient_accumulation_steps", 1)))
         return {}
 
@@ -313,26 +365,54 @@ class EpisodicMemoryMethod(ContinualMethod):
         """Memories of the tasks before the current one."""
         return [m for m in self.memories if m.task_index < context.task_index]
 
-    def _collated_memory(self, context: TaskContext, memory: TaskMemory, device: torch.device) -> dict[str, torch.Tensor]:
-        """Task `memory`'s rows collated by `context.collator`, once per collator (per task) and device."""
-        collator = context.collator
-        if collator is None:
+    def memory_task(self, context: TaskContext, memory: TaskMemory) -> Task:
+        """The task of the stream that `memory` was taken from (its rows index that task's train split)."""
+        stream = context.stream
+        train = stream[memory.task_index].train if memory.task_index < len(stream) else None
+        size = -1 if train is None or is_streaming(train) else len(train)
+        if max(memory.rows) >= size:
+            raise ValueError(
+                f"{self.name}: the memory of task {memory.task_index} ({memory.task_name!r}) refers to rows up to "
+                f"{max(memory.rows)}, which stream {stream.name!r} does not have; was it built on another stream "
+                "or subsample?"
+            )
+        return stream[memory.task_index]
+
+    def constraining_memories(
+        self, model: nn.Module, context: TaskContext, params: Sequence[nn.Parameter]
+    ) -> list[TaskMemory]:
+        """The past memories whose loss depends on `params`: all of them on a CLIP. On pair tasks a past pair that
+        shares no head with `params` (the current pair's heads) has g_k = 0: no constraint, skipped."""
+        memories = self.past_memories(context)
+        if not memories or getattr(model, "learner_heads", None) is None:
+            return memories
+        ids = {id(p) for p in params}
+
+        def constrains(memory: TaskMemory) -> bool:
+            task = self.memory_task(context, memory)
+            return task.kind != "pair" or bool(ids & head_parameter_ids(model, task.modalities))
+
+        return [memory for memory in memories if constrains(memory)]
+
+    def _memory_collator(self, context: TaskContext, task: Task) -> Any:
+        """What batches a memory: a pair task's own `PairFeatureCollator` (its modalities, whichever pair trains
+        now), else the run's eval-mode CLIP collator."""
+        if task.kind == "pair":
+            return PairFeatureCollator(task.modalities)
+        if context.collator is None:
             raise ValueError(f"{self.name} needs context.collator (an eval-mode CLIPCollator, set by ContinualLearner)")
+        return context.collator
+
+    def _collated_memory(self, context: TaskContext, memory: TaskMemory, device: torch.device) -> dict[str, torch.Tensor]:
+        """Task `memory`'s rows collated (its tensors), once per task and device (and `context.collator`)."""
+        collator = context.collator
         if self._collated_for is None or self._collated_for[0] is not collator or self._collated_for[1] != device:
             self._collated, self._collated_for = {}, (collator, device)
         if memory.task_index not in self._collated:
-            stream = context.stream
-            train = stream[memory.task_index].train if memory.task_index < len(stream) else None
-            size = -1 if train is None or is_streaming(train) else len(train)
-            if max(memory.rows) >= size:
-                raise ValueError(
-                    f"{self.name}: the memory of task {memory.task_index} ({memory.task_name!r}) refers to rows up to "
-                    f"{max(memory.rows)}, which stream {stream.name!r} does not have; was it built on another stream "
-                    "or subsample?"
-                )
-            assert train is not None
-            batch = collator([train[row] for row in memory.rows])
-            self._collated[memory.task_index] = {k: batch[k].to(device) for k in MEMORY_COLUMNS if k in batch}
+            task = self.memory_task(context, memory)
+            batch = self._memory_collator(context, task)([task.train[row] for row in memory.rows])
+            columns = FEATURE_COLUMNS if task.kind == "pair" else MEMORY_COLUMNS
+            self._collated[memory.task_index] = {k: batch[k].to(device) for k in columns if k in batch}
         return self._collated[memory.task_index]
 
     def memory_batch(
@@ -341,9 +421,14 @@ class EpisodicMemoryMethod(ContinualMethod):
         parts: Sequence[tuple[TaskMemory, torch.Tensor | None]],
         device: torch.device,
         order: torch.Tensor | None = None,
-    ) -> dict[str, torch.Tensor]:
+    ) -> dict[str, Any]:
         """A collated memory batch on `device`: for each (memory, positions) the rows at `positions` of that memory
-        (None: all), concatenated; `order` then permutes the rows. Equal to the collator's batch of those rows."""
+        (None: all), concatenated; `order` then permutes the rows. Equal to the collator's batch of those rows. A pair
+        task's memory is batched alone (its own heads and negatives), with its modality names."""
+        pair = [m.task_index for m, _ in parts if self.memory_task(context, m).kind == "pair"]
+        if pair and len({m.task_index for m, _ in parts}) > 1:
+            raise ValueError(f"{self.name}: pair memories are batched one task at a time, got tasks "
+                             f"{sorted({m.task_index for m, _ in parts})}")
         store = torch.device("cpu") if self.config.memory_on_cpu else device
         selected = []
         for memory, positions in parts:
@@ -357,36 +442,47 @@ class EpisodicMemoryMethod(ContinualMethod):
         batch = concat_padded(selected, 0 if pad_id is None else int(pad_id), side)
         if order is not None:
             batch = {k: v.index_select(0, order.to(v.device)) for k, v in batch.items()}
-        return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        if pair:
+            batch["modality_a"], batch["modality_b"] = self.memory_task(context, parts[0][0]).modalities
+        return batch
 
     def loss_gradient(
         self,
         model: nn.Module,
         context: TaskContext,
         params: Sequence[nn.Parameter],
-        batch: Mapping[str, torch.Tensor],
+        batch: Mapping[str, Any],
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """∇ of the contrastive loss of `model` on the memory `batch` w.r.t. `params`, flat (written into `out` when
-        given), in the parameters' dtype (eval mode, the run's bf16 autocast; `p.grad` untouched). With
-        `memory_batch_size` the batch is encoded in chunks and the loss is the size-weighted mean of theirs."""
-        rows = int(batch["pixel_values"].shape[0])
-        size = self.config.memory_batch_size or rows
-        device = params[0].device
+        """∇ of the contrastive loss (a pair batch's: Eq. 2 of CMCL) of `model` on the memory `batch` w.r.t.
+        `params`, flat (written into `out` when given), in the parameters' dtype (eval mode, the run's bf16
+        autocast; `p.grad` untouched). With `memory_batch_size` the batch is encoded in chunks and the loss is the
+        size-weighted mean of theirs."""
+        return self.weighted_loss_gradient(model, context, params, [(batch, 1.0)], out)
+
+    def weighted_loss_gradient(
+        self,
+        model: nn.Module,
+        context: TaskContext,
+        params: Sequence[nn.Parameter],
+        batches: Sequence[tuple[Mapping[str, Any], float]],
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """∇ of Σ_i w_i L(batch_i) w.r.t. `params`, for (batch_i, w_i) in `batches` (`loss_gradient` of each)."""
+        size = self.config.memory_batch_size
+        device, dtype = params[0].device, params[0].dtype
         total: list[torch.Tensor] = []
         with eval_mode(model), torch.enable_grad(), _autocast(context, device):
-            for start in range(0, rows, size):
-                chunk = {k: v[start : start + size] for k, v in batch.items()}
-                if size < rows:
-                    chunk = concat_padded([chunk], 0, "right")  # drops token columns no row of the chunk attends
-                weight = chunk["pixel_values"].shape[0] / rows
-                loss = batch_contrastive_loss(model, chunk).float() * weight  # type: ignore[arg-type]
-                grads = torch.autograd.grad(loss, list(params), materialize_grads=True)
-                grads = [g.to_dense() if g.is_sparse else g for g in grads]
-                if total:
-                    torch._foreach_add_(total, grads)
-                else:
-                    total = list(grads)  # autograd's own fresh tensors: accumulated into in place
+            for batch, weight in batches:
+                for chunk, share in batch_chunks(batch, size or batch_rows(batch)):
+                    loss = batch_contrastive_loss(model, in_dtype(chunk, dtype)).float() * (weight * share)
+                    grads = torch.autograd.grad(loss, list(params), materialize_grads=True)
+                    grads = [g.to_dense() if g.is_sparse else g for g in grads]
+                    if total:
+                        torch._foreach_add_(total, grads)
+                    else:
+                        total = list(grads)  # autograd's own fresh tensors: accumulated into in place
         flat = [g.reshape(-1).to(p.dtype) for g, p in zip(total, params, strict=True)]
         return torch.cat(flat, out=out) if out is not None else torch.cat(flat)
 
@@ -398,22 +494,25 @@ class EpisodicMemoryMethod(ContinualMethod):
         )
 
     # ----- compute accounting --------------------------------------------------------------------------------------
-    def rows_per_step(self, context: TaskContext) -> int:
-        """Memory rows encoded and back-propagated per step while task `context.task_index` trains."""
+    def rows_per_step(self, model: nn.Module, context: TaskContext, params: Sequence[nn.Parameter]) -> float:
+        """Memory rows encoded and back-propagated per step while task `context.task_index` trains `params`."""
         raise NotImplementedError
 
-    def _account(self, context: TaskContext, per_device: int, accumulation: int) -> None:
+    def _account(
+        self, model: nn.Module, context: TaskContext, params: Sequence[nn.Parameter], per_device: int,
+        accumulation: int,
+    ) -> None:
         examples = max(1, per_device * accumulation)
-        self.extra_forward_passes = PASSES_PER_MEMORY_ROW * self.rows_per_step(context) / examples
+        self.extra_forward_passes = PASSES_PER_MEMORY_ROW * self.rows_per_step(model, context, params) / examples
 
     def _start_step(self, model: nn.Module, context: TaskContext) -> tuple[list[nn.Parameter], torch.Tensor] | None:
         """The selected parameters and their flat gradient g, or None when there is no memory yet."""
         if not self.past_memories(context):
             return None
+        _, params = self.selected_parameters(model)
         args = context.training_args
         if args is not None:
-            self._account(context, args.per_device_train_batch_size, args.gradient_accumulation_steps)
-        _, params = self.selected_parameters(model)
+            self._account(model, context, params, args.per_device_train_batch_size, args.gradient_accumulation_steps)
         return params, flat_grad(params)
 
     # ----- state ---------------------------------------------------------------------------------------------------
@@ -443,9 +542,11 @@ class EpisodicMemoryMethod(ContinualMethod):
 class GEM(EpisodicMemoryMethod):
     """GEM: project the gradient so that no past task's memory loss increases (Eqs. 10–13; module docstring).
 
-    Metrics of the last step: `constraints` (past tasks), `violations` (those with ⟨g, g_k⟩ < 0), `projected`
-    (1 when g was replaced; its mean over a logging window is the projected fraction), `grad_change`
-    (‖g̃ − g‖ / ‖g‖), `dual_max` (max v*) and `nonfinite_grad` (1 when g was not finite and left alone)."""
+    Metrics of the last step: `constraints` (past tasks whose memory loss depends on the constrained parameters:
+    all of them on a CLIP, those sharing a head with the current pair on pair tasks), `violations` (those with
+    ⟨g, g_k⟩ < 0), `projected` (1 when g was replaced; its mean over a logging window is the projected fraction),
+    `grad_change` (‖g̃ − g‖ / ‖g‖), `dual_max` (max v*) and `nonfinite_grad` (1 when g was not finite and left
+    alone)."""
 
     name = "gem"
     config_class = GEMConfig
@@ -460,15 +561,15 @@ class GEM(EpisodicMemoryMethod):
                               "training.max_grad_norm")
         return super().training_overrides(context, training)
 
-    def rows_per_step(self, context: TaskContext) -> int:
-        return sum(len(m) for m in self.past_memories(context))
+    def rows_per_step(self, model: nn.Module, context: TaskContext, params: Sequence[nn.Parameter]) -> float:
+        return float(sum(len(m) for m in self.constraining_memories(model, context, params)))
 
     def memory_gradients(
         self, model: nn.Module, context: TaskContext, params: Sequence[nn.Parameter]
     ) -> tuple[list[TaskMemory], torch.Tensor]:
-        """The past memories and G [t−1, P]: row k the gradient of task k's memory loss (its whole memory, one
-        batch) w.r.t. `params`, in their dtype."""
-        memories = self.past_memories(context)
+        """The constraining past memories (`constraining_memories`) and G [k, P]: row k the gradient of task k's
+        memory loss (its whole memory, one batch) w.r.t. `params`, in their dtype."""
+        memories = self.constraining_memories(model, context, params)
         device = params[0].device
         G = torch.empty(len(memories), sum(p.numel() for p in params), dtype=params[0].dtype, device=device)
         for row, memory in zip(G, memories, strict=True):
@@ -514,14 +615,17 @@ class AGEM(EpisodicMemoryMethod):
     """A-GEM: one constraint, on the gradient of a random memory batch (Eq. 11; module docstring).
 
     Metrics of the last step: `projected` (1 when gᵀg_ref < 0), `grad_change` (‖g̃ − g‖ / ‖g‖), `ref_cosine`
-    (cos(g, g_ref)) and `nonfinite_grad`."""
+    (cos(g, g_ref); 0 when g_ref = 0) and `nonfinite_grad`."""
 
     name = "agem"
     config_class = AGEMConfig
     config: AGEMConfig
 
-    def rows_per_step(self, context: TaskContext) -> int:
-        return min(self.config.reference_batch_size, sum(len(m) for m in self.past_memories(context)))
+    def rows_per_step(self, model: nn.Module, context: TaskContext, params: Sequence[nn.Parameter]) -> float:
+        """The reference batch, less (on pair tasks) the expected rows of tasks sharing no head, which are skipped."""
+        total = sum(len(m) for m in self.past_memories(context))
+        used = sum(len(m) for m in self.constraining_memories(model, context, params))
+        return min(self.config.reference_batch_size, total) * used / total if total else 0.0
 
     def reference_rows(self, context: TaskContext) -> tuple[list[tuple[TaskMemory, torch.Tensor]], torch.Tensor]:
         """This step's memory batch: `reference_batch_size` rows drawn uniformly without replacement over every past
@@ -546,10 +650,31 @@ class AGEM(EpisodicMemoryMethod):
     def reference_gradient(
         self, model: nn.Module, context: TaskContext, params: Sequence[nn.Parameter]
     ) -> torch.Tensor:
-        """g_ref: the gradient of the contrastive loss on this step's memory batch w.r.t. `params`."""
+        """g_ref: the gradient of the contrastive loss on this step's memory batch w.r.t. `params` (on pair tasks,
+        of Σ_k (n_k / n) L_k over the tasks drawn from: `pair_reference_gradient`)."""
         parts, order = self.reference_rows(context)
+        if self.memory_task(context, parts[0][0]).kind == "pair":
+            return self.pair_reference_gradient(model, context, params, parts)
         batch = self.memory_batch(context, parts, params[0].device, order)
         return self.loss_gradient(model, context, params, batch)
+
+    def pair_reference_gradient(
+        self,
+        model: nn.Module,
+        context: TaskContext,
+        params: Sequence[nn.Parameter],
+        parts: Sequence[tuple[TaskMemory, torch.Tensor]],
+    ) -> torch.Tensor:
+        """∇ of Σ_k (n_k / n) L_k: L_k the pair loss of the n_k rows drawn from task k (one batch per task, its own
+        heads and negatives), n the rows drawn. Tasks sharing no head with `params` add 0 and are skipped; g_ref = 0
+        (no projection) when every drawn task is skipped."""
+        drawn = sum(len(positions) for _, positions in parts)
+        relevant = {m.task_index for m in self.constraining_memories(model, context, params)}
+        batches = [(self.memory_batch(context, [(memory, positions)], params[0].device), len(positions) / drawn)
+                   for memory, positions in parts if memory.task_index in relevant]
+        if not batches:
+            return torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        return self.weighted_loss_gradient(model, context, params, batches)
 
     def pre_optimizer_step(self, model: ContinualCLIPModel, context: TaskContext) -> None:
         """Replace g by g − (gᵀg_ref / g_refᵀg_ref) g_ref when gᵀg_ref < 0 (Eq. 11)."""

@@ -303,7 +303,9 @@ class QuadraticPenaltyMethod(ContinualMethod):
     """Base of EWC, SI and MAS: the penalty as a loss term, the parameter selection, the saved state.
 
     Subclasses define `strength` (the coefficient s in front of Σ Ω (θ − θ*)²) and update the importance at task
-    end with `consolidate`.
+    end with `consolidate`. A parameter that did not train in a task (another pair's learner head, CMCL's EWC
+    baseline) keeps its importance and anchor: it is neither decayed nor averaged, and `average` counts the tasks
+    that trained each parameter. On a full CLIP every covered parameter trains every task, so this is the usual rule.
     """
 
     config_class = QuadraticPenaltyConfig
@@ -313,6 +315,7 @@ class QuadraticPenaltyMethod(ContinualMethod):
         super().__init__(config)
         self.penalty = QuadraticPenalty(self.config.sparse_token_rows)
         self.tasks_consolidated = 0
+        self.parameter_tasks: dict[str, int] = {}  # tasks whose importance each parameter received
 
     @property
     def strength(self) -> float:
@@ -339,19 +342,30 @@ class QuadraticPenaltyMethod(ContinualMethod):
     def consolidate(
         self, model: nn.Module, importance: Mapping[str, torch.Tensor], rule: str, gamma: float
     ) -> None:
-        """Merge a task's importance into the running one and move the anchor θ* to the current parameters."""
-        merged = accumulate_importance(
-            self.penalty.importance, importance, rule, gamma, self.tasks_consolidated
-        )
-        self.penalty.set(merged, dict(model.named_parameters()))
+        """Merge a task's importance into the running one (per parameter, for the parameters it covers) and move
+        their anchor θ* to the current values; the other parameters keep importance and anchor (see the class)."""
+        old, current = self.penalty.importance, dict(model.named_parameters())
+        merged = {name: value for name, value in old.items() if name not in importance}
+        anchors = {name: self.penalty.anchor[name] for name in merged}
+        for name, value in importance.items():
+            before = {name: old[name]} if name in old else {}
+            merged.update(accumulate_importance(before, {name: value}, rule, gamma, self.parameter_tasks.get(name, 0)))
+            anchors[name] = current[name]
+            self.parameter_tasks[name] = self.parameter_tasks.get(name, 0) + 1
+        self.penalty.set(merged, anchors)
         self.tasks_consolidated += 1
 
     def state_dict(self) -> dict[str, Any]:
-        return {"penalty": self.penalty.state_dict(), "tasks_consolidated": self.tasks_consolidated}
+        return {"penalty": self.penalty.state_dict(), "tasks_consolidated": self.tasks_consolidated,
+                "parameter_tasks": dict(self.parameter_tasks)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.penalty.load_state_dict(state.get("penalty", {}))
         self.tasks_consolidated = int(state.get("tasks_consolidated", 0))
+        default = self.tasks_consolidated  # a state saved before per-parameter counts: every parameter every task
+        saved = state.get("parameter_tasks")
+        self.parameter_tasks = ({str(k): int(v) for k, v in saved.items()} if saved is not None
+                                else dict.fromkeys(self.penalty.importance, default))
 
 
 # ----- the importance pass over a task's data ---------------------------------------------------------------------

@@ -135,7 +135,7 @@ def continual_run(tokenizer, output_dir: Path) -> dict:
             "rows": results.num_trained}
 
 
-COMPOSITIONS = (("modx", "er"), ("ctp", "er"), ("lwf", "er"))
+COMPOSITIONS = (("modx", "er"), ("ctp", "er"), ("lwf", "er"), ("learner_heads", "dns"), ("learner_heads", "ewc"))
 #: Runs repeated with 2 accumulated micro-batches per step (exact accumulation through DDP's no_sync).
 ACCUMULATED = (("finetune",), ("ewc",), ("cllclip",), ("modx", "er"), ("ctp", "er"))
 
