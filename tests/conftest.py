@@ -48,3 +48,12 @@ def local_hub(tmp_path):
 
     with LocalHubServer(tmp_path / "local-hub") as server, server.patch_client(cache_dir=tmp_path / "hf-cache"):
         yield server
+
+
+@pytest.fixture(scope="session")
+def pair_stream(shared_data_root):
+    """The first three tasks of `flickr-fashion-pairs` (image-en, en-de, image-de), 64 train / 32 eval pairs each."""
+    from hf_ccl.data import TaskStream, build_stream
+
+    stream = build_stream("flickr-fashion-pairs", max_train_per_task=64, max_eval_per_task=32)
+    return TaskStream(stream.name, stream.tasks[:3])

@@ -8,16 +8,15 @@ import pytest
 import torch
 from datasets import Dataset
 
-from hf_ccl.callbacks import TaskCallback
 from hf_ccl.continual import ContinualArguments, ContinualLearner
-from hf_ccl.data import Task, TaskStream, build_stream, load_image_processor
+from hf_ccl.data import Task, TaskStream, load_image_processor
 from hf_ccl.heads import LearnerHeads
 from hf_ccl.methods import build_methods
 from hf_ccl.methods.base import TaskContext
 from hf_ccl.methods.dns import DNS
 from hf_ccl.methods.state import load_method_states, save_method_states
 from hf_ccl.pair_features import FEATURE_COLUMNS, PairFeatureCollator
-from hf_ccl.testing import TrainingLogRecorder, tiny_clip
+from hf_ccl.testing import StopAfterTask, TrainingLogRecorder, tiny_clip
 from hf_ccl.validation import ConfigError
 
 DIM = 32  # tiny_clip's projection_dim: the heads' width in the loop
@@ -246,17 +245,6 @@ def test_loop_dns_on_heads_is_second_order_under_sgd_and_plain_above_threshold(c
         assert torch.equal(learner.model.learner_heads.state_dict()[name], value), name
 
 
-@pytest.fixture(scope="module")
-def pair_stream(shared_data_root):
-    stream = build_stream("flickr-fashion-pairs", max_train_per_task=64, max_eval_per_task=32)
-    return TaskStream(stream.name, stream.tasks[:3])
-
-
-class StopAfterTaskOne(TaskCallback):
-    def on_task_end(self, args, state, control, **kwargs):  # noqa: ANN001 (TaskCallback protocol)
-        control.should_stop = state.task_index == 1
-
-
 def test_loop_dns_keeps_old_alignments_saves_state_and_resumes_exactly(pair_stream, clip_tokenizer, tmp_path):
     """The flickr pair stream under AdamW with `project: update` (exact at first order, A7): each earlier task's
     drift stays well below plain training's; the state round-trips through the checkpoint files; a run stopped
@@ -290,7 +278,7 @@ def test_loop_dns_keeps_old_alignments_saves_state_and_resumes_exactly(pair_stre
     assert copy.ranks == dns.ranks and dns.ranks
 
     cut = _learner(pair_stream, tmp_path / "cut", methods, options, clip_tokenizer, TRAINING)
-    cut.task_callbacks.add([StopAfterTaskOne()])
+    cut.task_callbacks.add([StopAfterTask(1)])
     cut.fit()
     assert len(cut.results.rows) == 2
     resumed = _learner(pair_stream, tmp_path / "cut", methods, options, clip_tokenizer, TRAINING,

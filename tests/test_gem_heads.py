@@ -10,16 +10,15 @@ import pytest
 import torch
 from datasets import Dataset
 
-from hf_ccl.callbacks import TaskCallback
 from hf_ccl.continual import ContinualArguments, ContinualLearner
-from hf_ccl.data import Task, TaskStream, build_stream, load_image_processor
+from hf_ccl.data import Task, TaskStream, load_image_processor
 from hf_ccl.heads import LearnerHeads
 from hf_ccl.methods import build_methods, load_method_states, save_method_states
 from hf_ccl.methods.base import TaskContext
 from hf_ccl.methods.gem import AGEM, GEM, EpisodicMemoryMethod
 from hf_ccl.methods.gem_projection import flat_grad, gem_project, write_flat_grad
 from hf_ccl.pair_features import FEATURE_COLUMNS, PairFeatureCollator
-from hf_ccl.testing import TrainingLogRecorder, tiny_clip
+from hf_ccl.testing import StopAfterTask, TrainingLogRecorder, tiny_clip
 from hf_ccl.validation import ConfigError
 
 D, N = 8, 48
@@ -321,21 +320,10 @@ def test_memory_gradients_follow_the_heads_dtype(method_class: type[EpisodicMemo
 TRAINING = {"max_steps": 4, "per_device_train_batch_size": 16, "learning_rate": 1e-2, "logging_steps": 1}
 
 
-@pytest.fixture(scope="module")
-def pair_stream(shared_data_root):
-    stream = build_stream("flickr-fashion-pairs", max_train_per_task=64, max_eval_per_task=32)
-    return TaskStream(stream.name, stream.tasks[:3])
-
-
 def _learner(stream: TaskStream, folder, methods: list[str], options: dict, tokenizer, **args) -> ContinualLearner:
     arguments = ContinualArguments(output_dir=str(folder), training=dict(TRAINING), progress=False, **args)
     return ContinualLearner(tiny_clip(seed=0), stream, build_methods(methods, options), load_image_processor(32),
                             tokenizer, arguments, task_callbacks=[TrainingLogRecorder()])
-
-
-class StopAfterTaskOne(TaskCallback):
-    def on_task_end(self, args, state, control, **kwargs):  # noqa: ANN001 (TaskCallback protocol)
-        control.should_stop = state.task_index == 1
 
 
 @pytest.mark.parametrize("name", ["gem", "agem"])
@@ -358,7 +346,7 @@ def test_loop_constrains_the_heads_and_resumes_exactly(pair_stream, clip_tokeniz
         assert any(log["agem/ref_cosine"] != 0.0 for log in logs[2][1:])
 
     cut = _learner(pair_stream, tmp_path / "cut", methods, options, clip_tokenizer)
-    cut.task_callbacks.add([StopAfterTaskOne()])
+    cut.task_callbacks.add([StopAfterTask(1)])
     cut.fit()
     assert len(cut.results.rows) == 2
     saved = build_methods(methods, options)

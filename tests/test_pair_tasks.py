@@ -18,16 +18,10 @@ from hf_ccl.evaluation.pairs import diagonal_rank_counts, pair_recall
 from hf_ccl.heads import LearnerHeads, pair_contrastive_loss
 from hf_ccl.methods import build_methods
 from hf_ccl.pair_features import CallableEncoder, PrecomputedEncoder, encode_pair_stream, pair_encoders
-from hf_ccl.testing import TrainingLogRecorder, tiny_clip
+from hf_ccl.testing import StopAfterTask, TrainingLogRecorder, tiny_clip
 from hf_ccl.validation import ConfigError
 
 TRAINING = {"max_steps": 4, "per_device_train_batch_size": 16, "learning_rate": 1e-2, "logging_steps": 1}
-
-
-@pytest.fixture(scope="module")
-def pair_stream(shared_data_root):
-    stream = build_stream("flickr-fashion-pairs", max_train_per_task=64, max_eval_per_task=32)
-    return TaskStream(stream.name, stream.tasks[:3])
 
 
 def _learner(stream, tmp_path, methods=("learner_heads",), options=None, clip_tokenizer=None, **args):
@@ -123,12 +117,8 @@ def test_resume_after_a_task_finishes_identically(pair_stream, clip_tokenizer, t
     options = {"learner_heads": {"similarity": "cosine"}}
     full = _learner(pair_stream, tmp_path / "full", options=options, clip_tokenizer=clip_tokenizer)
     full.fit()
-    class StopAfterTaskOne(TaskCallback):
-        def on_task_end(self, args, state, control, **kwargs):
-            control.should_stop = state.task_index == 1
-
     first = _learner(pair_stream, tmp_path / "cut", options=options, clip_tokenizer=clip_tokenizer)
-    first.task_callbacks.add([StopAfterTaskOne()])
+    first.task_callbacks.add([StopAfterTask(1)])
     first.fit()
     assert len(first.results.rows) == 2
     resumed = _learner(pair_stream, tmp_path / "cut", options=options, clip_tokenizer=clip_tokenizer,
@@ -233,7 +223,7 @@ def test_encoder_settings_are_checked():
         ContinualArguments(output_dir="x", image_modalities=[""])
 
 
-@pytest.mark.parametrize("method", ["er", "derpp", "lwf", "modx"])
+@pytest.mark.parametrize("method", ["er", "lwf", "modx", "ctp"])
 def test_methods_not_made_for_pair_tasks_are_refused(pair_stream, clip_tokenizer, tmp_path, method):
     """ER would mix one pair's feature rows into another pair's batches: refused, naming what works."""
     with pytest.raises(ConfigError, match=rf"\['{method}'\] do not train pair tasks.*learner_heads"):
@@ -307,3 +297,25 @@ def test_ewc_decays_only_the_heads_that_trained(pair_stream, clip_tokenizer, tmp
     assert torch.equal(second[image], first[image]) and torch.equal(second_anchor[image], first_anchor[image])
     assert sorted(second) == sorted([image, en, de]) and not torch.equal(second[en], 0.5 * first[en])
     assert learner.methods[1].parameter_tasks == {image: 1, en: 2, de: 1}
+
+
+def test_every_pair_task_is_pushed_as_a_plain_clip_revision(pair_stream, clip_tokenizer, tmp_path, local_hub):
+    """The loop's Hub pushes (timeouts, retries, report) carry pair runs too: each task-<k> revision is the plain
+    CLIP of its folder, with the method state and the model card."""
+    from huggingface_hub import HfApi, ModelCard, hf_hub_download
+
+    repo = "hf-ccl-test/clip-pairs"
+    learner = _learner(TaskStream("two", pair_stream.tasks[:2]), tmp_path / "run", methods=("learner_heads", "dns"),
+                       clip_tokenizer=clip_tokenizer, hub_model_id=repo)
+    learner.fit()
+    assert learner.push_report is not None and not learner.push_report.failed
+    for k in range(2):
+        remote = CLIPModel.from_pretrained(repo, revision=f"task-{k}")
+        local = CLIPModel.from_pretrained(tmp_path / "run" / f"task-{k}")
+        assert torch.equal(remote.visual_projection.weight, local.visual_projection.weight)
+        files = set(HfApi().list_repo_files(repo, revision=f"task-{k}"))
+        assert {"model.safetensors", "method_state.json", "preprocessor_config.json", "README.md"} <= files
+        card = ModelCard.load(hf_hub_download(repo, "README.md", revision=f"task-{k}"))
+        assert "R@1" in card.text and "hf_ccl" in card.data.tags
+    first = CLIPModel.from_pretrained(repo, revision="task-0").text_projection.weight
+    assert not torch.equal(first, CLIPModel.from_pretrained(repo, revision="task-1").text_projection.weight)

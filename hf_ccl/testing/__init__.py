@@ -30,6 +30,7 @@ __all__ = [
     "HubStore",
     "LocalHubServer",
     "LoggedRequest",
+    "StopAfterTask",
     "TrainingLogRecorder",
     "local_hub_endpoint",
     "local_hub_process",
@@ -62,6 +63,17 @@ class TrainingLogRecorder(TaskCallback):
 
     def step_logs(self, index: int) -> list[dict[str, Any]]:
         return [log for log in self.logs[index] if "loss" in log]
+
+
+class StopAfterTask(TaskCallback):
+    """A task callback that ends the stream after task `index` (its checkpoint is written), as an interrupted run
+    would stop; resume it with `resume_from_checkpoint=True`."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def on_task_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        control.should_stop = state.task_index == self.index
 
 
 def __getattr__(name: str) -> Any:
