@@ -16,6 +16,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from transformers import TrainerCallback
 
@@ -34,6 +35,13 @@ METHOD_ARGS: dict[str, dict[str, Any]] = {
     "mas": {"importance_batch_size": 8, "importance_max_batches": 1},
 }
 METHODS = sorted(available_methods())
+#: Methods that are another matrix method's class with another formula or alias (TiC's names for the same loop):
+#: their runs of the every-method matrices (resume, accumulation, compile, bf16) are marked `slow`, the method named
+#: beside each runs by default; `pytest -m slow` runs them all. Bad-option and two-process checks cover every method.
+MATRIX_SIBLINGS = {"sequential": "finetune", "cumulative_exp": "cumulative_all", "cumulative_equal": "cumulative_all",
+                   "restart": "oracle", "der": "derpp"}
+#: Every method as a pytest parameter, the siblings marked `slow`.
+MATRIX = [pytest.param(name, marks=pytest.mark.slow) if name in MATRIX_SIBLINGS else name for name in METHODS]
 #: Methods that train pair tasks only (learner heads on cached features): they run on a pair stream.
 PAIR_ONLY = {name for name in METHODS if "learner_heads" in METHOD_CLASSES[name].roles}
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from method_matrix import METHODS, PAIR_ONLY, LogRecorder, run_method
+from method_matrix import MATRIX, PAIR_ONLY, LogRecorder, run_method
 
 from hf_ccl.accumulation import accumulated_backward, concat_batches
 from hf_ccl.losses import clip_contrastive_loss
@@ -70,7 +70,7 @@ def test_accumulated_gradient_equals_the_whole_batch_gradient():
     assert accumulated["logit_scale"].abs() > 0 and accumulated["image.weight"].abs().sum() > 0
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", MATRIX)
 def test_every_method_trains_the_same_with_32x2_as_with_64x1(tmp_path, method):
     """Two tasks with 2 SGD steps each: every parameter and every logged loss term of the first step of the second
     task (where the teachers, penalties, buffers and queues are live) agree; the first loss is ln 64, not ln 32."""

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from method_matrix import METHODS, LogRecorder, run_method
+from method_matrix import MATRIX, LogRecorder, run_method
 from transformers import TrainerCallback
 
 #: Compiling through dynamo and AOTAutograd without code generation: the tracing (where wrapper prefixes and graph
@@ -64,7 +64,7 @@ class PrecisionProbe(TrainerCallback):
         self._handles.clear()
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", MATRIX)
 def test_every_method_trains_compiled_on_every_task(tmp_path, method):
     """Two tasks, both compiled (on main only the first was, and CTP failed on `_orig_mod.`-prefixed names)."""
     watcher, recorder = CompiledEveryTask(), LogRecorder()
@@ -76,7 +76,7 @@ def test_every_method_trains_compiled_on_every_task(tmp_path, method):
     assert not any("_orig_mod" in name for name, _ in learner.model.named_parameters())
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", MATRIX)
 def test_every_method_trains_in_bf16_teachers_included(tmp_path, method):
     """bf16 autocast (CPU) reaches the model and every frozen model a method runs while training."""
     from hf_ccl import continual

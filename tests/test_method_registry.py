@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import torch
-from method_matrix import METHODS, LogRecorder, flat_state, method_args, run_method
+from method_matrix import MATRIX, METHODS, LogRecorder, flat_state, method_args, run_method
 
 from hf_ccl.methods import build_methods, get_method_class, load_method_states
 from hf_ccl.validation import ConfigError
@@ -80,7 +80,7 @@ def _same_tokenizer(one, other) -> bool:  # noqa: ANN001
     return first == second or json.loads(first) == json.loads(second)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", MATRIX)
 def test_every_method_resumes_exactly_after_a_task(tmp_path, method):
     """The run resumed from task 0's checkpoint (in the same folder, as after a crash) trains task 1 only and ends
     where the uninterrupted run ends: the results matrix, the model (parameters and buffers), the tokenizer, and
