@@ -30,12 +30,17 @@ from transformers.utils import ModelOutput
 SIMILARITIES = ("dot", "cosine")
 
 
-def pair_logits(z_a: torch.Tensor, z_b: torch.Tensor, temperature: float = 1.0, similarity: str = "dot") -> torch.Tensor:
-    """[n_a, n_b] scores z^a_i · z^b_j / τ (`dot`, the paper) or cosines / τ (`cosine`, what a CLIP computes)."""
+def check_objective(temperature: float, similarity: str) -> None:
+    """τ > 0 and a known similarity."""
     if similarity not in SIMILARITIES:
         raise ValueError(f"similarity must be one of {list(SIMILARITIES)}, got {similarity!r}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def pair_logits(z_a: torch.Tensor, z_b: torch.Tensor, temperature: float = 1.0, similarity: str = "dot") -> torch.Tensor:
+    """[n_a, n_b] scores z^a_i · z^b_j / τ (`dot`, the paper) or cosines / τ (`cosine`, what a CLIP computes)."""
+    check_objective(temperature, similarity)
     if similarity == "cosine":
         z_a, z_b = F.normalize(z_a, dim=-1), F.normalize(z_b, dim=-1)
     return z_a @ z_b.T / temperature
@@ -83,7 +88,7 @@ class LearnerHeads(nn.Module):
         super().__init__()
         if dim < 1:
             raise ValueError(f"head dim must be >= 1, got {dim}")
-        pair_logits(torch.zeros(1, 1), torch.zeros(1, 1), temperature, similarity)  # checks both
+        check_objective(temperature, similarity)
         self.dim, self.bias = dim, bias
         self.temperature, self.similarity, self.symmetric = temperature, similarity, symmetric
         if fold is not None and bias:

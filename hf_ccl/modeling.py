@@ -15,8 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -272,16 +270,6 @@ class ContinualCLIPModel(CLIPModel):
         )
 
     # ----- saving ------------------------------------------------------------------------------------------
-    @contextmanager
-    def without_text_prompt(self) -> Iterator[None]:
-        """Detach `text_prompt` for the duration (the plain CLIP text path), then put it back."""
-        prompt = self.text_prompt
-        self.text_prompt = None
-        try:
-            yield
-        finally:
-            self.text_prompt = prompt
-
     def plain_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights of the plain CLIP this model stands for: no `text_prompt`, the learner heads folded in."""
         state = {name: tensor for name, tensor in self.state_dict().items()

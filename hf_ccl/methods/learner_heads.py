@@ -93,7 +93,6 @@ class LearnerHeadsMethod(ContinualMethod):
                              "fold_text_modality)")
 
     def on_task_start(self, context: TaskContext) -> None:
-        self.check_stream(context.stream)
         model = context.model
         if self.heads is None:
             self._build(model, context.stream.modalities)
