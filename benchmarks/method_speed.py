@@ -1,156 +1,366 @@
-"""Time per training step of each continual-learning method relative to `finetune`, side by side in one run.
+"""Time per training step of each continual-learning method relative to `finetune`, each ratio beside its limit.
 
-Each method runs the same 2-task `digits` stream with the same model init, batch size and data: a short first task
-(so teachers, Fisher, buffers exist), then the second task, whose step times are measured. Runs alternate between
-methods in rounds so that machine load affects all alike; the table reports the median step time on the second
-task and its ratio to `finetune`. With a fixed batch size the per-step ratio is also the per-sample ratio (replay
-methods train on more samples per task, not on bigger batches). A second table times a whole 5-epoch second task
-for finetune vs Mod-X with and without the teacher-feature cache.
+At a size where compute dominates (default: a ViT-B/32-shaped CLIP, 151 M parameters, 224 px, random weights), each
+method runs the first two tasks of `digits` through `ContinualLearner`: a short first task (so teachers, Fisher,
+buffers and memories exist), then the second task, whose steps are timed. Runs alternate between methods in rounds,
+so machine load affects all alike; the table gives the min and median step time and the ratio of medians to
+`finetune`.
 
-    python benchmarks/method_speed.py [--steps 40] [--rounds 3] [--size default]
+Each ratio is printed beside its **limit**, built from primitives timed in the same rounds on the same model size and
+batch: a bare PyTorch step (forward, backward, AdamW), a no-grad forward (a teacher's cost), a momentum (EMA) update
+of every parameter, a quadratic penalty's forward and backward over every parameter, and one elementwise pass over
+every parameter. A method cannot cost less than finetune plus the work it must add (the limit); a ratio below 1.0 by
+more than the noise (the spread of finetune's per-round medians) for a method that does more work is flagged as a
+measurement error, not reported as a result.
 
-Writes benchmarks/results/method_speed.md. Goals (issue 3): Mod-X and LwF <= 1.35x, CTP <= 1.7x, EWC/SI/MAS
-<= 1.15x, ER/DER <= 1.10x per sample, Mod-X with the cache <= 1.15x over a 5-epoch task.
+    python benchmarks/method_speed.py [--size vit-b-32] [--batch 8] [--steps 4] [--rounds 2]
+
+Writes benchmarks/results/method_speed.md. Goals (issue 14), ratio to finetune: Mod-X <= 1.35 (<= 1.10 with the
+teacher cache over a multi-epoch task), CTP <= 1.70, EWC/SI/MAS/DNS/TEIR <= 1.10, ER/DER/DER++ <= 1.05, GEM/A-GEM
+stated with their limit.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import platform
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import TrainerCallback
+from transformers import CLIPConfig, TrainerCallback
 
+from hf_ccl.compute import format_bytes
 from hf_ccl.continual import ContinualArguments, ContinualLearner
-from hf_ccl.data import build_stream, load_image_processor, load_tokenizer
+from hf_ccl.data import CLIPCollator, build_stream, load_image_processor, load_tokenizer
 from hf_ccl.methods import available_methods, build_methods
-from hf_ccl.testing import tiny_clip
+from hf_ccl.modeling import ContinualCLIPModel
 
+#: (vision hidden, layers, heads, patch, image px; text hidden, layers, heads; projection)
 SIZES = {
-    "tiny": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "projection_dim": 32},
-    "default": {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "projection_dim": 64},
+    "vit-b-16": (768, 12, 12, 16, 224, 512, 12, 8, 512),
+    "vit-b-32": (768, 12, 12, 32, 224, 512, 12, 8, 512),
+    "small": (256, 4, 4, 16, 112, 256, 4, 4, 256),
+    "tiny": (64, 2, 2, 8, 32, 64, 2, 2, 64),
 }
-# (label, methods, method_args, goal)
+
+
+@dataclass
+class Candidate:
+    label: str
+    methods: list[str]
+    method_args: dict
+    goal: float | None
+    limit: str  # a formula over the primitives (see `limits`)
+
+
 CANDIDATES = [
-    ("finetune", ["finetune"], {}, None),
-    ("modx", ["modx"], {}, 1.35),
-    ("modx (teacher cache)", ["modx"], {"modx": {"teacher_cache": True}}, 1.35),
-    ("lwf", ["lwf"], {}, 1.35),
-    ("ctp", ["ctp"], {}, 1.7),
-    ("ctp (teacher cache)", ["ctp"], {"ctp": {"teacher_cache": True}}, 1.7),
-    ("ewc", ["ewc"], {}, 1.15),
-    ("si", ["si"], {}, 1.15),
-    ("mas", ["mas"], {}, 1.15),
-    ("er", ["er"], {}, 1.10),
-    ("der", ["der"], {}, 1.10),
-    ("derpp", ["derpp"], {}, 1.10),
-    ("modx + er", ["modx", "er"], {}, None),
-    ("ctp + er", ["ctp", "er"], {}, None),
+    Candidate("finetune", ["finetune"], {}, None, "one"),
+    Candidate("modx", ["modx"], {}, 1.35, "teacher"),
+    Candidate("modx (teacher cache)", ["modx"], {"modx": {"teacher_cache": True}}, 1.35, "teacher"),
+    Candidate("lwf", ["lwf"], {}, 1.35, "teacher"),
+    Candidate("ctp", ["ctp"], {"ctp": {"queue_size": 64}}, 1.70, "ctp"),
+    Candidate("ewc", ["ewc"], {}, 1.10, "penalty"),
+    Candidate("si", ["si"], {}, 1.10, "penalty"),
+    Candidate("mas", ["mas"], {"mas": {"importance_batch_size": 8, "importance_max_batches": 1}}, 1.10, "penalty"),
+    Candidate("dns", ["dns"], {}, 1.10, "pass"),
+    Candidate("teir", ["teir"], {}, 1.10, "pass"),
+    Candidate("er", ["er"], {"er": {"buffer_size": 32}}, 1.05, "one"),
+    Candidate("der", ["der"], {"der": {"buffer_size": 32}}, 1.05, "one"),
+    Candidate("derpp", ["derpp"], {"derpp": {"buffer_size": 32}}, 1.05, "one"),
+    Candidate("gem", ["gem"], {"gem": {"memory_per_task": 8}}, None, "memory"),
+    Candidate("agem", ["agem"], {"agem": {"memory_per_task": 8, "reference_batch_size": 8}}, None, "memory"),
 ]
-BATCH_SIZE = 32
-WARMUP = 3
+LIMIT_TEXT = {
+    "one": "1 (no extra work per step)",
+    "teacher": "1 + teacher forward / step",
+    "ctp": "1 + (2 forwards + momentum update) / step",
+    "penalty": "1 + quadratic penalty fwd+bwd / step",
+    "pass": "1 + one pass over the parameters / step",
+    "memory": "1 + memory batch fwd+bwd / step",
+}
+WARMUP = 1
+MIN_TRAIN_PER_TASK = 64
 
 
-class TaskStepTimer(TrainerCallback):
-    """Step end times of the last task trained, and its whole training time."""
+def clip_config(size: str) -> CLIPConfig:
+    v_hidden, v_layers, v_heads, patch, image, t_hidden, t_layers, t_heads, projection = SIZES[size]
+    return CLIPConfig(
+        text_config={"hidden_size": t_hidden, "intermediate_size": 4 * t_hidden, "num_hidden_layers": t_layers,
+                     "num_attention_heads": t_heads, "max_position_embeddings": 77, "vocab_size": 49408,
+                     "bos_token_id": 49406, "eos_token_id": 49407, "pad_token_id": 49407},
+        vision_config={"hidden_size": v_hidden, "intermediate_size": 4 * v_hidden, "num_hidden_layers": v_layers,
+                       "num_attention_heads": v_heads, "image_size": image, "patch_size": patch},
+        projection_dim=projection,
+    )
+
+
+def new_model(config: CLIPConfig) -> ContinualCLIPModel:
+    torch.manual_seed(0)
+    return ContinualCLIPModel(config)
+
+
+class SecondTaskTimer(TrainerCallback):
+    """Step end times of the second task of a run, and that task's whole training time."""
 
     def __init__(self) -> None:
+        self.task = -1
         self.stamps: list[float] = []
         self.task_seconds = 0.0
         self._start = 0.0
 
     def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001
-        self.stamps = []
-        self._start = time.perf_counter()
+        self.task += 1
+        self.stamps = [time.perf_counter()]
+        self._start = self.stamps[0]
 
     def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001
-        self.stamps.append(time.perf_counter())
+        if self.task == 1:
+            synchronize()  # the step's kernels have run (the training step itself does not wait for them)
+            self.stamps.append(time.perf_counter())
 
     def on_train_end(self, args, state, control, **kwargs):  # noqa: ANN001
-        self.task_seconds = time.perf_counter() - self._start
+        if self.task == 1:
+            self.task_seconds = time.perf_counter() - self._start
 
     def step_times(self) -> list[float]:
         stamps = self.stamps[WARMUP:]
         return [b - a for a, b in zip(stamps[:-1], stamps[1:], strict=True)]
 
 
-def run_once(methods, method_args, stream, tokenizer, size, training) -> TaskStepTimer:
-    timer = TaskStepTimer()
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
+    return f"CPU {platform.machine()} {platform.processor() or ''}, {torch.get_num_threads()} threads".strip()
+
+
+def run_method(candidate: Candidate, config: CLIPConfig, stream, tokenizer, processor, training: dict,
+               first_task_epochs: float) -> tuple[SecondTaskTimer, ContinualLearner]:
+    timer = SecondTaskTimer()
     args = ContinualArguments(
         output_dir="/tmp/hf_ccl_method_speed", training=training, evaluate_initial=False, save_checkpoints=False,
-        progress=False, first_task_epochs=None,
+        progress=False, first_task_epochs=first_task_epochs, overwrite_output_dir=True,
     )
-    learner = ContinualLearner(
-        tiny_clip(seed=0, **SIZES[size]), stream, build_methods(methods, method_args), load_image_processor(32),
-        tokenizer, args, callbacks=[timer],
-    )
+    learner = ContinualLearner(new_model(config), stream, build_methods(candidate.methods, candidate.method_args),
+                               processor, tokenizer, args, callbacks=[timer])
     learner.fit()
-    return timer
+    return timer, learner
+
+
+def timed(function: Callable[[], object], repeats: int) -> list[float]:
+    function()  # warm-up
+    times = []
+    for _ in range(repeats):
+        synchronize()
+        start = time.perf_counter()
+        function()
+        synchronize()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def primitives(config: CLIPConfig, batch: dict, repeats: int, bf16: bool) -> dict[str, list[float]]:
+    """Seconds of the work a method adds to a step, on the same model size, batch and precision."""
+    target = device()
+    batch = {key: value.to(target) for key, value in batch.items()}
+    model = new_model(config).to(target)
+    teacher = copy.deepcopy(model).eval().requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    parameters = list(model.parameters())
+    anchors = [p.detach().clone() for p in parameters]
+    importance = [torch.rand_like(p) for p in parameters]
+
+    def autocast() -> torch.autocast:
+        return torch.autocast(target.type, dtype=torch.bfloat16, enabled=bf16)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with autocast():
+            loss = model(**batch, return_loss=True).loss
+        loss.backward()
+        optimizer.step()
+
+    def memory_backward() -> None:  # GEM's memory gradient: forward and backward, no optimizer step
+        with autocast():
+            loss = model(**batch, return_loss=True).loss
+        loss.backward()
+        for p in parameters:
+            p.grad = None
+
+    def teacher_forward() -> None:
+        with torch.no_grad(), autocast():
+            teacher(**batch)
+
+    def momentum_update() -> None:
+        with torch.no_grad():
+            torch._foreach_lerp_([t for t in teacher.parameters()], parameters, 0.001)
+
+    def penalty() -> None:
+        loss = sum((f * (p - a) ** 2).sum() for p, a, f in zip(parameters, anchors, importance, strict=True))
+        loss.backward()
+        for p in parameters:
+            p.grad = None
+
+    def parameter_pass() -> None:
+        with torch.no_grad():
+            torch._foreach_mul_(importance, 1.0)
+
+    return {name: timed(function, repeats) for name, function in (
+        ("step", step), ("memory", memory_backward), ("teacher", teacher_forward), ("momentum", momentum_update),
+        ("penalty", penalty), ("pass", parameter_pass))}
+
+
+def limits(seconds: dict[str, float]) -> dict[str, float]:
+    step = seconds["step"]
+    return {
+        "one": 1.0,
+        "teacher": 1 + seconds["teacher"] / step,
+        "ctp": 1 + (2 * seconds["teacher"] + seconds["momentum"]) / step,
+        "penalty": 1 + seconds["penalty"] / step,
+        "pass": 1 + seconds["pass"] / step,
+        "memory": 1 + seconds["memory"] / step,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=40, help="steps timed on the second task")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--size", default="default", choices=sorted(SIZES))
+    parser.add_argument("--size", default="vit-b-32", choices=sorted(SIZES))
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=4, help="steps timed on the second task of each run")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--only", default="", help="comma-separated labels to run (finetune is always run)")
+    parser.add_argument("--epochs", type=float, default=3.0,
+                        help="epochs of the whole-task table (finetune vs Mod-X with and without the teacher cache)")
+    parser.add_argument("--bf16", action="store_true", help="train in bfloat16 autocast (training.bf16)")
+    parser.add_argument("--compile", action="store_true", help="training.torch_compile")
+    parser.add_argument("--accumulation", type=int, default=1, help="training.gradient_accumulation_steps")
     parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "method_speed.md"))
     args = parser.parse_args()
 
     registered = set(available_methods())
-    candidates = [c for c in CANDIDATES if set(c[1]) <= registered]
-    skipped = [c[0] for c in CANDIDATES if not set(c[1]) <= registered]
-    tokenizer = load_tokenizer()
-    stream = build_stream("digits", max_eval_per_task=10)
+    wanted = {label.strip() for label in args.only.split(",") if label.strip()} | {"finetune"}
+    candidates = [c for c in CANDIDATES if set(c.methods) <= registered and (not args.only or c.label in wanted)]
+    config = clip_config(args.size)
+    image_size = config.vision_config.image_size
+    tokenizer, processor = load_tokenizer(), load_image_processor(image_size)
+    train_per_task = max(MIN_TRAIN_PER_TASK, 2 * args.batch)
+    stream = build_stream("digits", max_train_per_task=train_per_task, max_eval_per_task=8)
     stream.tasks = stream.tasks[:2]
-    training = {"max_steps": args.steps + WARMUP + 1, "per_device_train_batch_size": BATCH_SIZE, "learning_rate": 1e-3}
+    batch = CLIPCollator(processor, tokenizer, train=False)([stream[1].train[i] for i in range(args.batch)])
+    batch = {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values")}
+    options = {"per_device_train_batch_size": args.batch // args.accumulation, "learning_rate": 1e-5,
+               "logging_steps": 1000, "bf16": args.bf16, "torch_compile": args.compile,
+               "gradient_accumulation_steps": args.accumulation}
+    if args.batch % args.accumulation:
+        parser.error("--batch must be a multiple of --accumulation (the global batch is --batch)")
+    training = {"max_steps": args.steps + WARMUP + 1, **options}
+    first_task_epochs = 2 * args.batch / train_per_task  # two steps: teachers, buffers and memories exist after it
 
-    times: dict[str, list[float]] = {label: [] for label, *_ in candidates}
-    for _ in range(args.rounds):
-        for label, methods, method_args, _goal in candidates:
-            times[label] += run_once(methods, method_args, stream, tokenizer, args.size, training).step_times()
-            print(f"{label}: {statistics.median(times[label]) * 1e3:.1f} ms/step so far", flush=True)
+    times: dict[str, list[float]] = {c.label: [] for c in candidates}
+    round_medians: dict[str, list[float]] = {c.label: [] for c in candidates}
+    peaks: dict[str, list[int]] = {c.label: [] for c in candidates}
+    measured: dict[str, list[float]] = {}
+    started = time.perf_counter()
+    for round_index in range(args.rounds):
+        for name, values in primitives(config, batch, repeats=3, bf16=args.bf16).items():
+            measured.setdefault(name, []).extend(values)
+        for candidate in candidates:
+            timer, learner = run_method(candidate, config, stream, tokenizer, processor, training, first_task_epochs)
+            steps = timer.step_times()
+            record = learner.compute[-1]
+            peaks[candidate.label].append(record.peak_cuda_bytes or record.peak_rss_bytes or 0)
+            times[candidate.label] += steps
+            round_medians[candidate.label].append(statistics.median(steps))
+            print(f"round {round_index}: {candidate.label}: {statistics.median(steps) * 1e3:.0f} ms/step", flush=True)
 
+    medians = {name: statistics.median(values) for name, values in measured.items()}
+    bound = limits(medians)
     base = statistics.median(times["finetune"])
+    finetune_rounds = round_medians["finetune"]
+    noise = max(0.02, max(finetune_rounds) / min(finetune_rounds) - 1)
+    parameters = sum(p.numel() for p in new_model(config).parameters())
     lines = [
-        "# Time per training step of each method vs `finetune`",
+        "# Time per training step of each method vs `finetune`, beside its limit",
         "",
-        f"Command: `python benchmarks/method_speed.py --steps {args.steps} --rounds {args.rounds} --size {args.size}`  ",
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads. Second task of `digits` (first task trained "
-        f"first so teachers/Fisher/buffers exist), batch {BATCH_SIZE}, {args.steps} steps x {args.rounds} rounds, "
-        f"median of step times, first {WARMUP} steps of each run dropped.",
+        f"Command: `python benchmarks/method_speed.py --size {args.size} --batch {args.batch} --steps {args.steps} "
+        f"--rounds {args.rounds}" + (f" --only {args.only}" if args.only else "")
+        + "".join(f" --{flag}" for flag in ("bf16", "compile") if getattr(args, flag))
+        + (f" --accumulation {args.accumulation}" if args.accumulation > 1 else "") + "`  ",
+        f"Device: {device_name()}.  ",
+        f"Model: {args.size} CLIP ({parameters / 1e6:.0f} M parameters, {image_size} px, random weights), batch "
+        f"{args.batch}; torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()} "
+        f"({platform.processor() or 'cpu'}). Second task of `digits` ({train_per_task} training examples, the first "
+        f"task trained for 2 steps first), {args.steps} steps x {args.rounds} rounds after {WARMUP} warm-up step, "
+        f"methods interleaved in each round. Wall time {time.perf_counter() - started:.0f} s.",
         "",
-        "| method | ms/step (median) | ratio vs finetune | goal | met |",
-        "|---|---|---|---|---|",
+        "Primitives timed in the same rounds (median, same model, batch and precision): "
+        + ", ".join(f"{name} {value * 1e3:.0f} ms" for name, value in medians.items())
+        + f". finetune through the library: {base * 1e3:.0f} ms/step = {base / medians['step']:.2f}x the bare PyTorch "
+        f"step (framework overhead). Noise: finetune's per-round medians differ by {100 * noise:.1f}%.",
+        "",
+        "| method | ms/step (min) | ms/step (median) | images/s | ratio vs finetune | limit | limit formula | goal "
+        f"| met | peak {'CUDA allocated' if torch.cuda.is_available() else 'RSS'} |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for label, _methods, _args, goal in candidates:
-        median = statistics.median(times[label])
+    flagged = []
+    for candidate in candidates:
+        values = times[candidate.label]
+        median = statistics.median(values)
         ratio = median / base
-        met = "" if goal is None else ("yes" if ratio <= goal else "**no**")
-        lines.append(f"| {label} | {median * 1e3:.1f} | {ratio:.2f} | {'' if goal is None else f'<= {goal:.2f}'} | {met} |")
-    if skipped:
-        lines += ["", f"Not registered when this ran: {', '.join(skipped)}."]
+        limit = bound[candidate.limit]
+        goal = "" if candidate.goal is None else f"<= {candidate.goal:.2f}"
+        met = "" if candidate.goal is None else ("yes" if ratio <= candidate.goal else "**no**")
+        if candidate.label != "finetune" and ratio < 1 - noise:
+            met = "**measurement error** (below 1.0 beyond noise)"
+            flagged.append(candidate.label)
+        lines.append(f"| {candidate.label} | {min(values) * 1e3:.0f} | {median * 1e3:.0f} | {args.batch / median:.1f} | "
+                     f"{ratio:.2f} | {limit:.2f} | {LIMIT_TEXT[candidate.limit]} | {goal} | {met} | "
+                     f"{format_bytes(max(peaks[candidate.label]))} |")
+    lines += ["", "Limit: the least a method can cost, finetune's step plus the work it must add per step (a ratio "
+              "above it is the method's overhead; far above it is work to remove). GEM/A-GEM's limit assumes a memory "
+              "batch as large as the training batch (the settings used here)."]
+    if flagged:
+        lines += ["", f"Flagged as measurement errors (faster than finetune beyond noise): {', '.join(flagged)}."]
 
-    epoch_rows = [c for c in candidates if c[0] in ("finetune", "modx", "modx (teacher cache)")]
-    if len(epoch_rows) == 3:
-        epoch_training = {"num_train_epochs": 5, "per_device_train_batch_size": BATCH_SIZE, "learning_rate": 1e-3}
-        totals = {label: [] for label, *_ in epoch_rows}
+    epoch_rows = [c for c in candidates if c.label in ("finetune", "modx", "modx (teacher cache)")]
+    if len(epoch_rows) == 3 and args.epochs > 0:
+        epoch_training = {"num_train_epochs": args.epochs, **options}
+        totals: dict[str, list[float]] = {c.label: [] for c in epoch_rows}
         for _ in range(args.rounds):
-            for label, methods, method_args, _goal in epoch_rows:
-                timer = run_once(methods, method_args, stream, tokenizer, args.size, epoch_training)
-                totals[label].append(timer.task_seconds)
+            for candidate in epoch_rows:
+                timer, _ = run_method(candidate, config, stream, tokenizer, processor, epoch_training,
+                                      first_task_epochs)
+                totals[candidate.label].append(timer.task_seconds)
         base_total = statistics.median(totals["finetune"])
+        teacher_share = medians["teacher"] / medians["step"]
         lines += [
             "",
-            "## A whole 5-epoch second task (teacher-feature cache: the old model encodes each example once per task)",
+            f"## A whole {args.epochs:g}-epoch second task (the teacher cache encodes each example once per task)",
             "",
-            "| method | seconds (median) | ratio vs finetune |",
-            "|---|---|---|",
+            f"Limits: Mod-X 1 + teacher/step = {1 + teacher_share:.2f}; with the cache 1 + teacher/(epochs x step) = "
+            f"{1 + teacher_share / args.epochs:.2f}.",
+            "",
+            "| method | seconds (median) | ratio vs finetune | goal | met |",
+            "|---|---|---|---|---|",
         ]
-        for label in totals:
-            total = statistics.median(totals[label])
-            lines.append(f"| {label} | {total:.2f} | {total / base_total:.2f} |")
+        for label, goal in (("finetune", None), ("modx", 1.35), ("modx (teacher cache)", 1.10)):
+            ratio = statistics.median(totals[label]) / base_total
+            met = "" if goal is None else ("yes" if ratio <= goal else "**no**")
+            lines.append(f"| {label} | {statistics.median(totals[label]):.1f} | {ratio:.2f} | "
+                         f"{'' if goal is None else f'<= {goal:.2f}'} | {met} |")
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))

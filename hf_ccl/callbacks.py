@@ -16,7 +16,7 @@ loop should do next), and keyword arguments that depend on the event (`learner` 
 | `on_train_begin`      | the task's Trainer is built, before it trains                     | `context`, `trainer`,      |
 |                       |                                                                   | `collator`, `train_dataset`|
 | `on_task_trained`     | after training and the methods' `after_training`                  | `context`, `trainer`       |
-| `on_task_evaluated`   | the task's row of the results matrix was added                    | `context`, `metrics`       |
+| `on_task_evaluated`   | the task's row was added (not after tasks `eval_every` skips)     | `context`, `metrics`       |
 | `on_task_end`         | after the methods' `on_task_end`, before the checkpoint           | `context`                  |
 | `on_save`             | a checkpoint (`task_folder=True`) or the run folder is written:   | `folder`, `task_folder`    |
 |                       | add files to `folder` (main process; before the manifest)         |                            |

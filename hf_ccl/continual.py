@@ -44,13 +44,15 @@ from .checkpointing import (  # noqa: F401  (re-exported: public names of this m
     load_model_weights,
     newest_complete_trainer_checkpoint,
 )
-from .compute import ComputeCallback, TaskCompute, global_batch_size
+from .compute import ComputeCallback, TaskCompute, global_batch_size, phase_timer
 from .data.collate import CLIPCollator
+from .data.image_cache import cached_pixels_dataset, check_image_cache
 from .data.streaming import column_names, is_empty, is_streaming, whole_batches
 from .data.task import TaskStream
+from .data.workers import dataloader_defaults, training_device_type
 from .distributed import barrier, broadcast_object, is_main_process
-from .evaluation.evaluator import evaluate_task
 from .evaluation.matrix import ResultsMatrix
+from .evaluation.schedule import StreamEvaluator, evaluated_after
 from .evaluation.spatial_disorder import SpatialDisorderCallback
 from .hub import (
     HubPushCallback,
@@ -92,6 +94,24 @@ class ContinualArguments:
     )
     seed: int = field(default=0, metadata={"help": "Base seed; task k trains with seed + k."})
     evaluate_initial: bool = field(default=True, metadata={"help": "Evaluate the model before the first task."})
+    eval_every: int = field(
+        default=1,
+        metadata={"help": "Evaluate after every k-th task (tasks k, 2k, ...) and always after the last one; the rows "
+                  "in between are marked not evaluated in the results and the derived metrics that need them are "
+                  "null. 1: after every task."},
+    )
+    eval_max_examples: int | None = field(
+        default=None,
+        metadata={"help": "Score each task on a fixed seeded subsample of at most this many rows of its eval split "
+                  "(the same rows in every row of the matrix; recorded in results.json and results.md); None: all "
+                  "rows."},
+    )
+    eval_cache: bool = field(
+        default=True,
+        metadata={"help": "Reuse a task's eval embeddings while nothing that produced them changed (a frozen tower, "
+                  "the same tokenizer, processor and rows; checked by identity and weight contents, "
+                  "hf_ccl.evaluation.cache); false: recompute them at every evaluation."},
+    )
     save_checkpoints: bool = field(default=True, metadata={"help": "Write output_dir/task-<k>/ after every task."})
     progress: bool = field(default=True, metadata={"help": "Show progress bars for the stream and each task."})
     spatial_disorder_task: int | None = field(
@@ -157,6 +177,13 @@ class ContinualArguments:
         metadata={"help": "Pair streams: modalities whose column already holds feature vectors (projection_dim "
                   "floats per row, e.g. audio embeddings computed offline)."},
     )
+    image_cache: bool | str = field(
+        default=False,
+        metadata={"help": "Decode, resize and crop every training image once and train from the stored uint8 pixels "
+                  "(the same pixel values, far less CPU per step; hf_ccl.data.image_cache): true: in the datasets "
+                  "cache (HF_DATASETS_CACHE/hf_ccl-image-cache), reused by later runs on the same data and "
+                  "processor; a path: that folder; false: off."},
+    )
     resume_allow_changes: list[str] = field(
         default_factory=list,
         metadata={"help": "Dotted keys (fnmatch patterns) of settings that may differ from the checkpoint resumed "
@@ -172,6 +199,8 @@ class ContinualArguments:
         check_choice("warmup", self.warmup, WARMUP_RULES)
         check_range("first_task_epochs", self.first_task_epochs, 0, low_open=True, also="or null")
         check_range("eval_batch_size", self.eval_batch_size, 1)
+        check_range("eval_every", self.eval_every, 1)
+        check_range("eval_max_examples", self.eval_max_examples, 1, also="or null")
         check_range("max_length", self.max_length, 2, also="(room for BOS and EOS) or null")
         check_range("seed", self.seed, 0, 2**32 - 1)
         check_range("spatial_disorder_task", self.spatial_disorder_task, 0, also="(a task index) or null")
@@ -186,6 +215,12 @@ class ContinualArguments:
         if both:
             raise ConfigError(f"modality(ies) {both} are in image_modalities and precomputed_modalities: a modality "
                               "is read by one encoder", "precomputed_modalities")
+        if isinstance(self.image_cache, str):
+            if self.image_cache.lower() in ("true", "false"):
+                self.image_cache = self.image_cache.lower() == "true"
+            elif not self.image_cache.strip() or Path(self.image_cache).expanduser().is_file():
+                raise ConfigError(f"image_cache must be true, false or a folder to keep the cache in, got "
+                                  f"{self.image_cache!r}", "image_cache")
         if self.card_license is not None and not self.card_license.strip():
             raise ConfigError("card_license must be a license id (e.g. apache-2.0, mit, other) or null", "card_license")
         if self.hub_model_id is not None:
@@ -319,6 +354,7 @@ class ContinualLearner:
         validate_stream(stream, args)
         check_methods(methods, args.samples_per_task)
         check_pair_stream(stream, methods, args)
+        check_image_cache(stream, image_processor, args.image_cache)
         for method in methods:
             method.check_stream(stream)
         PartialState()  # joins the process group now when launched distributed (the Trainer would, later)
@@ -464,22 +500,31 @@ class ContinualLearner:
                 last_checkpoint=str(last) if last else None,
             )
             self.event("on_task_begin", context=context)
-            self._start_task(context)
+            clock = context.phase_seconds  # wall time by phase (`hf_ccl.compute`)
+            with phase_timer(clock, "task_start"):
+                self._start_task(context)
             if task.kind == "pair":
                 check_frozen_encoders(self.model, task.name)
             trainer = self._train_task(context)
-            for method in self.methods:
-                self._take_changes(context, method.after_training(context), method, "after_training")
+            with phase_timer(clock, "after_training"):
+                for method in self.methods:
+                    self._take_changes(context, method.after_training(context), method, "after_training")
             self.event("on_task_trained", context=context, trainer=trainer)
-            metrics = self.evaluate()
-            self.results.add_row(task.name, metrics)
-            self.event("on_task_evaluated", context=context, metrics=metrics)
-            self.stream_logger.log_results(self.results, task.name, self.global_step, self.compute)
-            for method in self.methods:
-                method.on_task_end(context)
+            if evaluated_after(index, len(self.stream), self.args.eval_every):
+                with phase_timer(clock, "eval"):
+                    metrics = self.evaluate()
+                self.results.add_row(task.name, metrics)
+                self.event("on_task_evaluated", context=context, metrics=metrics)
+            else:  # eval_every: the row is marked not evaluated (the derived metrics that need it are null)
+                self.results.add_row(task.name, {}, evaluated=False)
+            with phase_timer(clock, "task_end"):
+                for method in self.methods:
+                    method.on_task_end(context)
             self.event("on_task_end", context=context)
+            self.stream_logger.log_results(self.results, task.name, self.global_step, self.compute)
             if self.writes_checkpoints:
-                self.state.last_checkpoint = self.save_checkpoint(index)
+                with phase_timer(clock, "checkpoint"):
+                    self.state.last_checkpoint = self.save_checkpoint(index)
                 if is_main_process():
                     self.event("on_checkpoint_saved", folder=self.state.last_checkpoint)
                     if not self.args.keep_trainer_checkpoints:
@@ -539,6 +584,10 @@ class ContinualLearner:
                     f"global batch ({batch}): with a compute budget every step needs a whole batch, so it could not "
                     "train at all. Use a smaller per_device_train_batch_size or give the task more data."
                 )
+        if self.args.image_cache and context.task.kind != "pair":  # built once per machine, then read by all
+            with training_args.main_process_first(local=True, desc="image cache"):
+                folder = None if self.args.image_cache is True else self.args.image_cache
+                dataset = cached_pixels_dataset(dataset, self.image_processor, cache_dir=folder)
         return dataset
 
     def _streaming_train_dataset(self, context: TaskContext, dataset: Any, args: TrainingArguments) -> Any:
@@ -557,7 +606,8 @@ class ContinualLearner:
             "save_strategy": "no",
             "logging_steps": 10,
             "ddp_find_unused_parameters": False,
-            "dataloader_num_workers": 0,
+            # none on a CPU; on a GPU, the process's share of the cores (hf_ccl.data.workers)
+            **dataloader_defaults(self.args.training, training_device_type(self.args.training)),
             "dataloader_pin_memory": torch.cuda.is_available(),
             **self.args.training,
         }
@@ -574,6 +624,7 @@ class ContinualLearner:
         values["seed"] = self.args.seed + context.task_index
         values["report_to"] = []  # the stream's integrations report, through self.stream_logger
         values["disable_tqdm"] = not self.args.progress
+        values["logging_nan_inf_filter"] = False  # its check syncs every step; ContinualTrainer refuses non-finite losses
         if values.get("push_to_hub"):  # mid-task checkpoints through the Trainer, on their own branch
             values.setdefault("hub_model_id", self.args.hub_model_id)
             values.setdefault("hub_revision", TRAINING_BRANCH)
@@ -599,6 +650,17 @@ class ContinualLearner:
         return steps
 
     def _train_task(self, context: TaskContext) -> ContinualTrainer:
+        with phase_timer(context.phase_seconds, "setup"):
+            trainer = self._build_trainer(context)
+        with phase_timer(context.phase_seconds, "train"):
+            trainer.train(resume_from_checkpoint=checkpointing.mid_task_checkpoint(self, trainer.args,
+                                                                                   context.task_index))
+        context.log_history = trainer.state.log_history
+        self.global_step += trainer.state.global_step
+        return trainer
+
+    def _build_trainer(self, context: TaskContext) -> ContinualTrainer:
+        """The task's Trainer: arguments, collators and dataset (after the methods' transforms), callbacks."""
         training_args = self._training_arguments(context)  # once per task: the methods' overrides run here
         options: dict[str, Any] = {}
         for method in self.methods:
@@ -610,7 +672,7 @@ class ContinualLearner:
             collator = context.collator = PairFeatureCollator(context.task.modalities)
         else:
             collator = CLIPCollator(self.image_processor, self.tokenizer, max_length=self.max_length, train=True,
-                                    seed=context.seed, **options)
+                                    seed=context.seed, num_workers=training_args.dataloader_num_workers, **options)
             # What task-end hooks may need to run the model over the task's data (EWC's Fisher, MAS, DER).
             context.collator = CLIPCollator(self.image_processor, self.tokenizer, max_length=self.max_length,
                                             train=False, seed=context.seed, **options)
@@ -631,24 +693,22 @@ class ContinualLearner:
         )
         self.stream_logger.attach(trainer, offset=self.global_step)
         self.event("on_train_begin", context=context, trainer=trainer, collator=collator, train_dataset=train_dataset)
-        trainer.train(resume_from_checkpoint=checkpointing.mid_task_checkpoint(self, trainer.args, context.task_index))
-        context.log_history = trainer.state.log_history
-        self.global_step += trainer.state.global_step
         return trainer
 
     # ----- evaluation and checkpoints ---------------------------------------------------------------------
     def evaluate(self) -> dict[str, dict[str, float]]:
-        """Metrics of the current model on the eval split of every task (computed on the main process)."""
+        """Metrics of the current model on the eval split of every task (computed on the main process): on each
+        task's fixed subsample with `eval_max_examples`, reusing the embeddings of towers that did not change
+        (`eval_cache`); the protocol is recorded in the results matrix (`hf_ccl.evaluation.schedule`)."""
+        evaluator = self.__dict__.get("_evaluator")
+        if evaluator is None:  # one per learner: its embedding cache lives as long as the run
+            evaluator = self._evaluator = StreamEvaluator(
+                eval_every=self.args.eval_every, max_examples=self.args.eval_max_examples, seed=self.args.seed,
+                cache=self.args.eval_cache)
+        evaluator.record(self.results, self.stream)  # a resume on other eval rows stops here, before any scoring
         metrics: dict[str, dict[str, float]] = {}
         if is_main_process():
-            for task in self.stream:
-                metrics[task.name] = evaluate_task(
-                    self.model,
-                    task,
-                    self.image_processor,
-                    self.tokenizer,
-                    batch_size=self.args.eval_batch_size,
-                    max_length=self.max_length,
-                )
+            metrics = evaluator.evaluate(self.model, self.stream, self.image_processor, self.tokenizer,
+                                         batch_size=self.args.eval_batch_size, max_length=self.max_length)
         barrier()
         return metrics

@@ -202,8 +202,9 @@ for _event in SHIFTED_EVENTS:
 def results_logs(matrix: ResultsMatrix, label: str, compute: Sequence[TaskCompute] = ()) -> dict[str, float]:
     """The scalars logged after an evaluation: `eval_results/<task>/<metric>` for every cell of row `label`,
     `eval_results/headline_mean` (the row's mean headline metric over the tasks evaluated), `eval_summary/<name>`
-    for `matrix.summary()`, and for a trained task with a compute record `compute/samples_seen`, `compute/macs` and
-    the totals so far. Undefined values (NaN) are left out."""
+    for `matrix.summary()`, and for a trained task with a compute record `compute/samples_seen`, `compute/macs`, the
+    totals so far, `compute/seconds/<phase>` (the phases timed so far), peak memory, trainable parameters and
+    `compute/method_state_bytes`. Undefined values (NaN) are left out."""
     if label == INITIAL_LABEL:
         if matrix.initial is None:
             raise ValueError("the results matrix has no initial row")
@@ -226,4 +227,11 @@ def results_logs(matrix: ResultsMatrix, label: str, compute: Sequence[TaskComput
             logs[f"{COMPUTE_PREFIX}/macs"] = records[-1].macs
             logs[f"{COMPUTE_PREFIX}/total_samples_seen"] = sum(record.samples_seen for record in compute)
             logs[f"{COMPUTE_PREFIX}/total_macs"] = sum(record.macs for record in compute)
+            record = records[-1]
+            for phase, seconds in record.seconds.items():
+                logs[f"{COMPUTE_PREFIX}/seconds/{phase}"] = seconds
+            for key in ("peak_rss_bytes", "peak_cuda_bytes", "trainable_parameters"):
+                if getattr(record, key) is not None:
+                    logs[f"{COMPUTE_PREFIX}/{key}"] = getattr(record, key)
+            logs[f"{COMPUTE_PREFIX}/method_state_bytes"] = sum(record.method_state_bytes.values())
     return {key: float(value) for key, value in logs.items() if math.isfinite(float(value))}

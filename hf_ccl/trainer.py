@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import numbers
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,36 @@ MAX_LOGIT_SCALE = math.log(100.0)  # OpenAI CLIP clamps exp(logit_scale) at 100;
 
 
 class NonFiniteLossError(FloatingPointError):
-    """The loss became NaN or infinite; the message names the task, the step and the terms."""
+    """The loss became NaN or infinite; the message names the task, the first non-finite step and its terms."""
+
+
+class NonFiniteWatch:
+    """The first non-finite loss of a task, kept on the device: `record` runs every step without a host sync, and
+    only `first` (called at logging steps, before a checkpoint is saved and when training ends) reads it back."""
+
+    def __init__(self, device: torch.device | str):
+        #: The first optimizer step whose loss was not finite (-1: none yet).
+        self.step = torch.full((), -1, dtype=torch.long, device=device)
+        #: {term names: (the step they were recorded at, -1 when none; their values at that step)}.
+        self._terms: dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def record(self, step: int, loss: torch.Tensor, names: Sequence[str], values: torch.Tensor) -> None:
+        """Note `step` (and the term `values`) if `loss` is not finite and no earlier step was, on the device."""
+        first = ~torch.isfinite(loss.detach()) & (self.step < 0)
+        self.step = torch.where(first, step, self.step)
+        key = tuple(names)
+        at, kept = self._terms.get(key) or (torch.full_like(self.step, -1), torch.zeros_like(values))
+        self._terms[key] = (torch.where(first, step, at), torch.where(first, values.detach(), kept))
+
+    def first(self) -> tuple[int, dict[str, float]] | None:
+        """(step, {term: value}) of the first non-finite loss, or None (reads the device: a host sync)."""
+        step = int(self.step)
+        if step < 0:
+            return None
+        for names, (at, values) in self._terms.items():
+            if int(at) == step:
+                return step, dict(zip(names, values.tolist(), strict=True))
+        return step, {}
 
 
 class MethodHooksCallback(TrainerCallback):
@@ -71,8 +101,15 @@ class ContinualTrainer(Trainer):
     """Trainer for one task of a continual stream.
 
     `compute_loss` returns `contrastive + sum(method terms)` (the method terms alone when a method sets
-    `replaces_contrastive_loss`); each term is averaged over the logging window and logged as `loss/<name>`. A NaN
-    or infinite loss stops training with `NonFiniteLossError`.
+    `replaces_contrastive_loss`); each term (and each method's `metrics()`) is summed on the device, averaged over
+    the logging window and logged as `loss/<name>`.
+
+    A NaN or infinite loss stops training with `NonFiniteLossError`, which names the first non-finite step and its
+    terms. The check stays on the device (`NonFiniteWatch`): no step waits for the GPU to find out. It is read on the
+    host at every logging step (so with `logging_strategy="steps"`, `logging_steps` bounds how many steps train on
+    after the first non-finite one), before any checkpoint is saved (a non-finite model is never saved) and when the
+    task's training ends or fails (an error a method raised on NaN gradients is then reported as the non-finite
+    loss it came from). With `logging_strategy="no"` the delay is up to the next checkpoint or the end of the task.
 
     Gradient accumulation is exact for the contrastive loss and every method term (`hf_ccl.accumulation`): the
     micro-batches of one optimizer step are kept until the last one arrives, and the loss is computed once over
@@ -101,7 +138,8 @@ class ContinualTrainer(Trainer):
         # gradient accumulation and never multiply it by the number of processes.
         self.model_accepts_loss_kwargs = False
         self._term_sums: dict[str, torch.Tensor] = {}
-        self._metric_sums: dict[str, float] = {}
+        self._metric_sums: dict[str, torch.Tensor | float] = {}
+        self._watch = NonFiniteWatch(self.args.device)
         self._term_count = 0
         self._pending_chunks: list[Batch] = []  # micro-batches of the optimizer step in progress
         if self.args.gradient_accumulation_steps > 1 and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
@@ -157,11 +195,19 @@ class ContinualTrainer(Trainer):
         """`Trainer.train`, then the model handed back bare: accelerate marks a prepared model (through a
         `torch.compile` wrapper the mark lands on the model itself) and patches its forward for autocast, and the
         next task's Trainer would then skip compiling and wrapping it."""
+        self._watch = NonFiniteWatch(self.args.device)
         try:
-            return super().train(*args, **kwargs)
+            output = super().train(*args, **kwargs)
+        except NonFiniteLossError:
+            raise
+        except Exception as error:  # e.g. a method's solver on NaN gradients: report the loss it came from
+            self._raise_if_non_finite(f"when training failed with {type(error).__name__}: {error}", error, gather=False)
+            raise
         finally:
             model = self.accelerator.unwrap_model(self.model_wrapped, keep_fp32_wrapper=False, keep_torch_compile=False)
             model.__dict__.pop("_is_accelerate_prepared", None)
+        self._raise_if_non_finite("when the task's training ended")
+        return output
 
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager:
         """The run's autocast (bf16/fp16) around the whole loss: accelerate only wraps the model's own forward, and
@@ -239,29 +285,51 @@ class ContinualTrainer(Trainer):
                 terms[f"{method.name}/{name}"] = value
         if not terms:
             raise ValueError("A method replaces the contrastive loss but no method returned a loss term")
-        loss = torch.stack([term.float() for term in terms.values()]).sum()
-        self._check_finite(loss, terms)
-        if model.training:
-            for name, value in terms.items():  # summed on device: no host sync per term and step
-                value = value.detach().float()
-                self._term_sums[name] = self._term_sums[name] + value if name in self._term_sums else value
-            for method in self.methods:
-                for name, value in method.metrics().items():
-                    key = f"{method.name}/{name}"
-                    self._metric_sums[key] = self._metric_sums.get(key, 0.0) + float(value)
-            self._term_count += 1
+        values = torch.stack([term.float() for term in terms.values()])
+        loss = values.sum()
+        if not model.training:  # not a training step (no step to name, no logging window): checked at once
+            if not torch.isfinite(loss):
+                raise self._non_finite_error(self.state.global_step, dict(zip(terms, values.tolist(), strict=True)),
+                                             "outside a training step")
+            return loss
+        self._watch.record(self.state.global_step + 1, loss, list(terms), values)
+        for name, value in terms.items():  # summed on device: no host sync per term and step
+            value = value.detach().float()
+            self._term_sums[name] = self._term_sums[name] + value if name in self._term_sums else value
+        for method in self.methods:
+            for name, value in method.metrics().items():
+                key = f"{method.name}/{name}"
+                value = _metric_value(value, key)
+                self._metric_sums[key] = self._metric_sums[key] + value if key in self._metric_sums else value
+        self._term_count += 1
         return loss
 
-    def _check_finite(self, loss: torch.Tensor, terms: dict[str, torch.Tensor]) -> None:
-        if torch.isfinite(loss):
+    def _raise_if_non_finite(self, found: str, cause: BaseException | None = None, gather: bool = True) -> None:
+        """Raise `NonFiniteLossError` if a step of this task had a non-finite loss (on any process with `gather`,
+        which every process must then call). `found` says when it was found. Reads the device: a host sync."""
+        mine = self._watch.first()
+        steps = [-1 if mine is None else mine[0]]
+        if gather and self.args.world_size > 1:
+            steps = self.accelerator.gather(torch.tensor(steps, device=self._watch.step.device)).tolist()
+        bad = [step for step in steps if step >= 0]
+        if not bad:
             return
-        where = f"step {self.state.global_step + 1}"
+        step = min(bad)
+        values = mine[1] if mine is not None and mine[0] == step else None
+        raise self._non_finite_error(step, values, found) from cause
+
+    def _non_finite_error(self, step: int, values: dict[str, float] | None, found: str) -> NonFiniteLossError:
+        where = f"step {step}"
         if self.context is not None:
             where = f"task {self.context.task_index} ({self.context.task.name!r}), {where}"
             last = self.context.last_checkpoint
             where += f"; the last good checkpoint is kept at {last}" if last else "; no checkpoint was written yet"
-        values = ", ".join(f"{name}={float(value.detach()):.4g}" for name, value in terms.items())
-        raise NonFiniteLossError(f"Non-finite loss at {where}. Loss terms: {values}")
+        terms = "recorded on another process" if values is None else ", ".join(
+            f"{name}={value:.4g}" for name, value in values.items())
+        return NonFiniteLossError(
+            f"Non-finite loss at {where}. Loss terms: {terms}. Found {found} (the loss is checked on the host at "
+            "logging steps, before a checkpoint is saved and when a task's training ends)"
+        )
 
     # ----- mid-task checkpoints: the Trainer saves model, optimizer, scheduler and RNG; we add the rest ------------
     def _save_rng_state(self, output_dir: str) -> None:
@@ -284,7 +352,9 @@ class ContinualTrainer(Trainer):
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """The Trainer's checkpoint, then (once every process has written its files) its manifest, written last:
-        a checkpoint without one was cut short and is skipped on resume (`hf_ccl.checkpoint_files`)."""
+        a checkpoint without one was cut short and is skipped on resume (`hf_ccl.checkpoint_files`). A model that
+        trained on a non-finite loss is never saved: `NonFiniteLossError` instead."""
+        self._raise_if_non_finite(f"before saving {PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         super()._save_checkpoint(model, trial)
         self.accelerator.wait_for_everyone()
         folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
@@ -319,13 +389,28 @@ class ContinualTrainer(Trainer):
                 raise ValueError(f"Cannot read the caption sampler state {path}: {error}") from error
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """The Trainer's log, after the non-finite check, with the window's means of the loss terms and metrics
+        (read from the device here, once per logging step)."""
+        self._raise_if_non_finite(f"at the log of step {self.state.global_step}")
         if self._term_count and "loss" in logs:
-            for name, total in self._term_sums.items():
-                mean = float(total) / self._term_count
-                logs[f"loss/{name}"] = round(mean, 6) if math.isfinite(mean) else mean
-            for name, total in self._metric_sums.items():
-                logs[name] = round(total / self._term_count, 6)
+            for prefix, sums in (("loss/", self._term_sums), ("", self._metric_sums)):
+                for name, total in sums.items():
+                    mean = float(total) / self._term_count
+                    logs[prefix + name] = round(mean, 6) if math.isfinite(mean) else mean
             self._term_sums.clear()
             self._metric_sums.clear()
             self._term_count = 0
         super().log(logs, start_time)
+
+
+def _metric_value(value: Any, key: str) -> torch.Tensor | float:
+    """A method's metric as summed: a one-element tensor stays on its device (detached, float32), a number is a
+    float; anything else is refused (the trainer would otherwise log it wrongly)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise TypeError(f"metrics() of {key} must be a number or a one-element tensor, got shape "
+                            f"{tuple(value.shape)}")
+        return value.detach().float().reshape(())
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise TypeError(f"metrics() of {key} must be a number or a one-element tensor, got {type(value).__name__}")

@@ -68,7 +68,9 @@ REFUSED: dict[str, str] = {
     "label_names": "hf_ccl's contrastive loss has no labels",
     "length_column_name": "grouping by length needs tokenized columns, which the stream's datasets do not have",
     "average_tokens_across_devices": "hf_ccl's losses are means over the global batch, not over token counts",
-    "logging_nan_inf_filter": "a NaN or infinite loss stops the run with an error, it is never filtered",
+    "logging_nan_inf_filter": "hf_ccl sets it to false: a NaN or infinite loss stops the run with "
+    "NonFiniteLossError (naming the first non-finite step), so the filter would only hide it, and its check makes "
+    "the host wait for the GPU at every step",
     "use_cache": "a text-generation option: CLIP has no cache",
     "use_liger_kernel": "Liger has no kernels for CLIP",
     "liger_kernel_config": "Liger has no kernels for CLIP",
@@ -120,6 +122,7 @@ NEEDS: dict[str, tuple[Callable[[Mapping[str, Any]], bool], str]] = {
                                       "training.dataloader_num_workers >= 1"),
     "warmup_steps": (lambda t: t.get("lr_scheduler_type", "linear") not in NO_WARMUP_SCHEDULES,
                      "a schedule that warms up (constant_with_warmup, not constant): set one, or training.warmup_steps: 0"),
+    "fsdp_config": (lambda t: t.get("fsdp") not in (None, False, "", []), "training.fsdp (refused: see check_fsdp)"),
 }
 #: Schedules that take no warmup.
 NO_WARMUP_SCHEDULES = ("constant", "reduce_lr_on_plateau", "greedy")
@@ -173,6 +176,7 @@ def check_training_args(training: Mapping[str, Any]) -> dict[str, Any]:
         if checked.get(key) not in (None, False, 0) and not takes_effect(checked):
             raise ConfigError(f"training.{key} has no effect without {what}", f"training.{key}")
     check_precision(checked)
+    check_fsdp(checked)
     _trial(checked)
     return checked
 
@@ -239,6 +243,51 @@ def check_precision(training: Mapping[str, Any]) -> None:
     if bf16 and device == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError(f"training.bf16: this GPU ({torch.cuda.get_device_name()}) has no bf16 support: use "
                           "training.fp16 instead")
+
+
+#: Why FSDP cannot train an hf_ccl model on this stack, by FSDP version (torch 2.13, accelerate 1.15, transformers
+#: 5.23; each fact is re-checked by tests/scripts/fsdp_limits.py, so the test fails when a release lifts one).
+FSDP_LIMITS: dict[str, str] = {
+    "2": "torch's fully_shard refuses scalar parameters, and every CLIP has one (logit_scale, shape []): \"fully_shard "
+    "doesn't support scalar parameters. Change logit_scale to a 1D tensor with numel equal to 1.\"",
+    "1": "transformers deprecates FSDP1, accelerate cannot build its plugin without a GPU (sync_module_states), and "
+    "under FSDP1 the methods (anchors, Fisher, teachers, momentum models) would see flattened parameter shards",
+}
+_FSDP_ALWAYS = ("hf_ccl also evaluates every task and writes its checkpoint on the main process alone, which a sharded "
+                "model cannot do (every process must take part in gathering the parameters)")
+_FSDP_CPU = ("on a machine without a GPU accelerate drops its FSDP plugin without a word, so the run would train "
+             "as plain DDP")
+
+
+def fsdp_request(training: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(where FSDP was asked for, its version) when the `training` section or the launcher asks for it, else None.
+
+    The launcher asks through `ACCELERATE_USE_FSDP` (`accelerate launch --use_fsdp`, or an accelerate config file
+    with `distributed_type: FSDP`) and `FSDP_VERSION`."""
+    if training.get("fsdp") not in (None, False, "", []):
+        config = training.get("fsdp_config")
+        version = config.get("version", config.get("fsdp_version", 2)) if isinstance(config, Mapping) else 2
+        return "training.fsdp", str(version)
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"):
+        return "accelerate launch with FSDP (ACCELERATE_USE_FSDP)", os.environ.get("FSDP_VERSION", "1")
+    return None
+
+
+def check_fsdp(training: Mapping[str, Any]) -> None:
+    """FSDP refused before anything is built, with the limit that stops it (`FSDP_LIMITS`): use DDP (`accelerate
+    launch --multi_gpu`), bf16, gradient checkpointing or LoRA to fit a larger model."""
+    request = fsdp_request(training)
+    if request is None:
+        return
+    where, version = request
+    reason = FSDP_LIMITS.get(version, f"FSDP version {version!r} does not exist (accelerate has 1 and 2)")
+    on_cpu = f"; and {_FSDP_CPU}" if accelerator() is None or training.get("use_cpu") else ""
+    raise ConfigError(
+        f"{where}: FSDP{version} cannot train an hf_ccl model with torch {torch.__version__.split('+')[0]}: {reason}; "
+        f"{_FSDP_ALWAYS}{on_cpu}. Train with DDP (accelerate launch --multi_gpu) and, to fit a larger model, "
+        "training.bf16, training.gradient_checkpointing or the lora method",
+        "training.fsdp",
+    )
 
 
 def _trial(training: Mapping[str, Any]) -> None:

@@ -34,6 +34,7 @@ DEFAULT_ARGS: dict[str, Any] = {
     "hub_timeout": 60.0, "hub_retries": 3, "hub_retry_backoff": 1.0, "overwrite_output_dir": False,
     "keep_trainer_checkpoints": False, "card_license": None, "resume_allow_changes": [],
     "image_modalities": ["image"], "precomputed_modalities": [],
+    "eval_every": 1, "eval_max_examples": None, "eval_cache": True, "image_cache": False,
 }
 #: What each bundled recipe changes in them (`training`: the options it changes), recorded the same way.
 RECIPE_ARGS: dict[str, dict[str, Any]] = {

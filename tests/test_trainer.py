@@ -1,12 +1,16 @@
 """The method hooks, driven by a real 2-task run: call order, gradient edits before the step, logged loss terms."""
 
+import math
+
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from hf_ccl.continual import ContinualArguments, ContinualLearner
 from hf_ccl.data import build_stream, load_image_processor
 from hf_ccl.methods import ContinualMethod, build_methods
 from hf_ccl.testing import TrainingLogRecorder, tiny_clip
+from hf_ccl.trainer import NonFiniteLossError
 
 
 class _Recorder(ContinualMethod):
@@ -103,3 +107,87 @@ def test_logit_scale_is_clamped_after_each_step(tmp_path, clip_tokenizer):
     learner = ContinualLearner(model, stream, build_methods(["finetune"]), load_image_processor(32), clip_tokenizer, args)
     learner.fit()
     assert learner.model.logit_scale.item() == pytest.approx(math.log(100.0))
+
+
+# ----- the non-finite check stays on the device between logging steps (issue 14) ----------------------------------
+class _NaNFrom(ContinualMethod):
+    """A NaN loss term from training step `step` on; optionally a solver that fails on NaN gradients."""
+
+    name = "nan-from"
+
+    def __init__(self, step: int, fail_on_nan_grad: bool = False):
+        super().__init__()
+        self.step, self.fail_on_nan_grad, self.calls = step, fail_on_nan_grad, 0
+
+    def loss_terms(self, model, inputs, outputs, context):
+        self.calls += 1
+        value = float("nan") if self.calls >= self.step else 0.0
+        return {"broken": value * model.text_projection.weight.sum()}  # NaN gradients too
+
+    def pre_optimizer_step(self, model, context):
+        grad = model.text_projection.weight.grad
+        if self.fail_on_nan_grad and not torch.isfinite(grad).all():
+            raise RuntimeError("the solver found no solution")  # what an SVD or a QP on NaN gradients would do
+
+    def metrics(self):
+        return {"calls": torch.tensor(float(self.calls))}
+
+
+def _fit_nan(tmp_path, clip_tokenizer, method, **training):
+    stream = build_stream("digits", max_train_per_task=64, max_eval_per_task=8)
+    stream.tasks = stream.tasks[:1]
+    args = ContinualArguments(output_dir=str(tmp_path), progress=False, evaluate_initial=False,
+                              training={"per_device_train_batch_size": 16, "max_steps": 6, **training})
+    recorder = _Logs()
+    learner = ContinualLearner(tiny_clip(), stream, [*build_methods(["finetune"]), method], load_image_processor(32),
+                               clip_tokenizer, args, callbacks=[recorder])
+    return learner, recorder
+
+
+class _Logs(TrainerCallback):
+    """Every `on_log` of the run, as it happens (a task that fails keeps what it logged)."""
+
+    def __init__(self):
+        self.logs: list[dict[str, float]] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append({**(logs or {}), "step": state.global_step})
+
+
+def test_nan_between_logging_steps_names_its_first_step(tmp_path, clip_tokenizer):
+    learner, recorder = _fit_nan(tmp_path, clip_tokenizer, _NaNFrom(step=5), logging_steps=4, max_steps=8)
+    with pytest.raises(NonFiniteLossError, match=r"task 0 \('digits-01'\), step 5; no checkpoint.*"
+                                                 r"contrastive=\d.*nan-from/broken=nan.*Found at the log of step 8"):
+        learner.fit()
+    steps = [log for log in recorder.logs if "loss" in log]
+    assert [log["step"] for log in steps] == [4] and all(math.isfinite(log["loss"]) for log in steps)
+    assert steps[0]["nan-from/calls"] == pytest.approx(2.5)  # a tensor metric, averaged over steps 1-4
+    assert not (tmp_path / "task-0").exists()
+
+
+def test_nan_is_found_before_a_checkpoint_is_saved(tmp_path, clip_tokenizer):
+    learner, _ = _fit_nan(tmp_path, clip_tokenizer, _NaNFrom(step=3), logging_steps=100, save_strategy="steps",
+                          save_steps=2)
+    with pytest.raises(NonFiniteLossError, match=r"step 3;.*Found before saving checkpoint-4"):
+        learner.fit()
+    saved = sorted(path.name for path in (tmp_path / "trainer" / "task-0").glob("checkpoint-*"))
+    assert saved == ["checkpoint-2"]  # the last finite model; nothing after the NaN
+
+
+def test_a_hook_failing_on_nan_gradients_reports_the_loss(tmp_path, clip_tokenizer):
+    learner, _ = _fit_nan(tmp_path, clip_tokenizer, _NaNFrom(step=2, fail_on_nan_grad=True), logging_steps=100)
+    with pytest.raises(NonFiniteLossError, match=r"step 2;.*when training failed with RuntimeError: the solver") as error:
+        learner.fit()
+    assert isinstance(error.value.__cause__, RuntimeError)
+
+
+def test_metrics_must_be_numbers_or_one_element_tensors(tmp_path, clip_tokenizer):
+    class _BadMetric(ContinualMethod):
+        name = "bad-metric"
+
+        def metrics(self):
+            return {"pair": torch.zeros(2)}
+
+    learner, _ = _fit_nan(tmp_path, clip_tokenizer, _BadMetric(), max_steps=1)
+    with pytest.raises(TypeError, match=r"bad-metric/pair must be a number or a one-element tensor, got shape \(2,\)"):
+        learner.fit()

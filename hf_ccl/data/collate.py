@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import random
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -11,7 +12,10 @@ from typing import Any
 import torch
 
 from ..paths import default_tokenizer_path
+from .image_cache import PIXELS_COLUMN, output_size, pixel_lookup, pixels_to_tensor
 from .images import decode_image
+
+logger = logging.getLogger(__name__)
 
 CLIP_MAX_LENGTH = 77
 _HUGE_MAX_LENGTH = 100_000  # tokenizers without a limit report ~1e30
@@ -66,9 +70,21 @@ class CLIPCollator:
     Returns `pixel_values`, `input_ids`, `attention_mask` (padded to the longest caption in the batch, truncated to
     `max_length`) and int64 `text_hash` / `image_hash` (stable hashes of the chosen caption and of `image_id`): two
     examples are positives when either hash matches. In train mode one caption per example is drawn from `texts`
-    with the collator's own seeded generator (reproducible; each DataLoader worker derives its own stream from
-    `seed` and its worker id); in eval mode the first caption is used. Integer columns named in
+    with the collator's own seeded generator; in eval mode the first caption is used. Integer columns named in
     `PASSTHROUGH_INT_COLUMNS` (e.g. `buffer_slot`) are passed through as int64 tensors when the rows have them.
+
+    Rows from an image cache (`hf_ccl.data.image_cache`) carry `pixels` (the processor's resized and cropped uint8
+    image) instead of `image`: they are only rescaled and normalised, with the processor's own arithmetic, so the
+    `pixel_values` are the same as for the decoded image.
+
+    Caption sampling and DataLoader workers (`num_workers`, the count the DataLoader runs this collator in): in the
+    main process the draws are one seeded stream whose position `state_dict` saves, so a run resumed mid-task
+    draws exactly what it would have drawn. A worker process gets a copy of the collator and draws from its own
+    stream, seeded by `seed`, its worker id and the DataLoader's per-iterator worker seed (so every epoch of
+    non-persistent workers draws anew): reproducible for a seeded run with the same worker count, but the workers'
+    positions live in the workers and cannot be saved by the main process. A mid-task resume with workers
+    therefore restarts the workers' streams (captions are as random, not the same as in an uninterrupted run):
+    `load_state_dict` says so in a warning; use `dataloader_num_workers: 0` where a mid-task resume must be exact.
 
     Parallel captions (a teacher's input, e.g. CLL-CLIP's English x^E beside the task-language x^F): with
     `parallel_text_column="texts_en"` every row must also have that column (a caption list), and the batch gets one
@@ -102,14 +118,19 @@ class CLIPCollator:
         parallel_text_column: str | None = None,
         parallel_tokenizer: Any = None,
         parallel_pairing: str = "auto",
+        num_workers: int = 0,
     ) -> None:
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
+        self.num_workers = num_workers
         self.image_processor = image_processor
+        self._lookup: torch.Tensor | None = None  # cached pixels -> pixel_values (built at the first cached batch)
         self.tokenizer = tokenizer
         self.max_length = resolve_max_length(tokenizer, max_length)
         self.train = train
         self.seed = seed
         self._rng = random.Random(seed)
-        self._worker: int | None = None
+        self._worker: tuple[int, int] | None = None  # (worker id, the DataLoader's seed for it) in a worker process
         if parallel_pairing not in PARALLEL_PAIRINGS:
             raise ValueError(f"parallel_pairing must be one of {list(PARALLEL_PAIRINGS)}, got {parallel_pairing!r}")
         if parallel_text_column is None and parallel_tokenizer is not None:
@@ -123,33 +144,41 @@ class CLIPCollator:
 
     def _generator(self) -> random.Random:
         info = torch.utils.data.get_worker_info()
-        worker = None if info is None else info.id
+        worker = None if info is None else (info.id, info.seed)
         if worker != self._worker:
             self._worker = worker
-            self._rng = random.Random(self.seed if worker is None else f"{self.seed}/worker{worker}")
+            self._rng = random.Random(self.seed if worker is None else f"{self.seed}/worker{worker[0]}/{worker[1]}")
             self._parallel_rng = random.Random(
-                f"{self.seed}/parallel" if worker is None else f"{self.seed}/worker{worker}/parallel"
+                f"{self.seed}/parallel" if worker is None else f"{self.seed}/worker{worker[0]}/{worker[1]}/parallel"
             )
         return self._rng
 
     def state_dict(self) -> dict[str, Any]:
         """The caption sampler's position, so a run resumed mid-task draws the captions it would have drawn (with
         a parallel column, also the parallel sampler's, under `parallel_rng`)."""
-        state = {"seed": self.seed, "worker": self._worker, "rng": _rng_state(self._rng)}
+        state = {"seed": self.seed, "worker": self._worker, "num_workers": self.num_workers,
+                 "rng": _rng_state(self._rng)}
         if self.parallel_text_column is not None:
             state["parallel_rng"] = _rng_state(self._parallel_rng)
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.seed, self._worker = state["seed"], state["worker"]
+        """Continue from a saved sampler position (see the class docstring for DataLoader workers)."""
+        if self.train and (self.num_workers > 0 or int(state.get("num_workers", 0)) > 0):
+            logger.warning(
+                "Resuming mid-task with DataLoader workers (dataloader_num_workers=%d now, %d when saved): each "
+                "worker draws captions from its own stream, whose position the main process cannot save, so the "
+                "resumed task draws different (equally random) captions than an uninterrupted run would. Set "
+                "training.dataloader_num_workers: 0 where a mid-task resume must be exact.",
+                self.num_workers, int(state.get("num_workers", 0)))
+        self.seed = state["seed"]
+        worker = state["worker"]  # saved by the main process: None (older versions: an int id, or None)
+        self._worker = tuple(worker) if isinstance(worker, (list, tuple)) else None
         _set_rng_state(self._rng, state["rng"])
         if "parallel_rng" in state:
             _set_rng_state(self._parallel_rng, state["parallel_rng"])
         else:  # a state written without a parallel column: the parallel sampler starts from its seed
-            worker = self._worker
-            self._parallel_rng = random.Random(
-                f"{self.seed}/parallel" if worker is None else f"{self.seed}/worker{worker}/parallel"
-            )
+            self._parallel_rng = random.Random(f"{self.seed}/parallel")
 
     def choose_texts(self, rows: Sequence[Mapping[str, Any]]) -> list[str]:
         """One caption per row: a seeded random one in train mode, the first in eval mode."""
@@ -194,14 +223,28 @@ class CLIPCollator:
                 chosen.append(parallel[self._parallel_rng.randrange(len(parallel))] if self.train else parallel[0])
         return chosen
 
+    def pixel_values(self, rows: Sequence[Mapping[str, Any]], ids: Sequence[str]) -> torch.Tensor:
+        """`pixel_values` of the rows: decoded and preprocessed, or (rows of an image cache) converted from their
+        cached uint8 pixels with the same result."""
+        cached = [PIXELS_COLUMN in row for row in rows]
+        if all(cached):
+            if self._lookup is None:
+                self._lookup = pixel_lookup(self.image_processor)
+            return pixels_to_tensor([row[PIXELS_COLUMN] for row in rows], self._lookup,
+                                    output_size(self.image_processor))
+        if any(cached):
+            raise ValueError("A batch mixes rows of an image cache ('pixels') with rows holding an 'image': cache "
+                             "the whole dataset, or none of it")
+        images = [decode_image(row["image"], where) for row, where in zip(rows, ids, strict=True)]
+        return self.image_processor(images=images, return_tensors="pt")["pixel_values"]
+
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         ids = [str(row.get("image_id", index)) for index, row in enumerate(rows)]
-        images = [decode_image(row["image"], where) for row, where in zip(rows, ids, strict=True)]
+        pixels = self.pixel_values(rows, ids)
         texts, indices = self._choose(rows)
         tokens = self.tokenizer(
             texts, padding="longest", truncation=True, max_length=self.max_length, return_tensors="pt"
         )
-        pixels = self.image_processor(images=images, return_tensors="pt")["pixel_values"]
         batch = {
             "pixel_values": pixels,
             "input_ids": tokens["input_ids"],

@@ -1,5 +1,6 @@
 """Evaluation: Recall@K, zero-shot accuracy, the task-by-task results matrix and continual-learning metrics."""
 
+from .cache import EmbeddingCache
 from .continual_metrics import (
     average_incremental,
     backward_transfer,
@@ -32,6 +33,7 @@ from .retrieval import (
 from .zeroshot import zero_shot_accuracy, zero_shot_classifier
 
 __all__ = [
+    "EmbeddingCache",
     "RankCounts",
     "ResultsMatrix",
     "ResultsRow",

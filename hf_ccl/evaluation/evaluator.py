@@ -13,6 +13,7 @@ import torch
 from datasets import Dataset
 
 from ..data.task import Task
+from .cache import CacheSession, EmbeddingCache
 from .encode import encode_images, encode_texts
 from .pairs import evaluate_pair_task
 from .retrieval import captions_to_text_to_image, recall_at_k, unique_texts
@@ -26,12 +27,13 @@ def iter_column(dataset: Dataset, column: str, batch_size: int = 256) -> Iterato
 
 
 def _encode_eval_images(
-    model: torch.nn.Module, task: Task, image_processor: Any, batch_size: int
+    model: torch.nn.Module, task: Task, image_processor: Any, batch_size: int, cache: CacheSession | None
 ) -> torch.Tensor:
-    values = iter_column(task.eval, "image", batch_size)
-    return encode_images(
-        model, image_processor, values, batch_size=batch_size, where_prefix=f"{task.name}/eval"
-    )
+    def compute() -> torch.Tensor:
+        values = iter_column(task.eval, "image", batch_size)  # streamed: one batch of decoded images at a time
+        return encode_images(model, image_processor, values, batch_size=batch_size, where_prefix=f"{task.name}/eval")
+
+    return compute() if cache is None else cache.images(task.name, task.eval, compute)
 
 
 def _evaluate_retrieval(
@@ -42,11 +44,16 @@ def _evaluate_retrieval(
     batch_size: int,
     max_length: int | None,
     chunk_size: int,
+    cache: CacheSession | None,
 ) -> dict[str, float]:
     texts, text_to_image = captions_to_text_to_image(list(iter_column(task.eval, "texts", batch_size)))
     distinct, text_ids = unique_texts(texts)  # a caption on several images is one text, a positive of each
-    image_embeds = _encode_eval_images(model, task, image_processor, batch_size)
-    text_embeds = encode_texts(model, tokenizer, distinct, batch_size=batch_size, max_length=max_length)
+    image_embeds = _encode_eval_images(model, task, image_processor, batch_size, cache)
+
+    def compute() -> torch.Tensor:
+        return encode_texts(model, tokenizer, distinct, batch_size=batch_size, max_length=max_length)
+
+    text_embeds = compute() if cache is None else cache.texts(task.name, task.eval, distinct, compute)
     return recall_at_k(image_embeds, text_embeds[text_ids.to(text_embeds.device)], text_to_image,
                        chunk_size=chunk_size, text_ids=text_ids)
 
@@ -58,18 +65,20 @@ def _evaluate_classification(
     tokenizer: Any,
     batch_size: int,
     max_length: int | None,
+    cache: CacheSession | None,
 ) -> dict[str, float]:
     templates = list(task.eval_templates or DEFAULT_TEMPLATES)
-    class_embeds = zero_shot_classifier(
-        model,
-        list(task.class_names or []),
-        templates,
-        tokenizer,
-        batch_size=batch_size,
-        max_length=max_length,
-    )
+    class_names = list(task.class_names or [])
+
+    def compute() -> torch.Tensor:
+        return zero_shot_classifier(
+            model, class_names, templates, tokenizer, batch_size=batch_size, max_length=max_length
+        )
+
+    made_of = [class_names, templates]
+    class_embeds = compute() if cache is None else cache.texts(task.name, task.eval, made_of, compute, "classes")
     labels = torch.tensor(list(iter_column(task.eval, "label", batch_size)), dtype=torch.long)
-    image_embeds = _encode_eval_images(model, task, image_processor, batch_size)
+    image_embeds = _encode_eval_images(model, task, image_processor, batch_size, cache)
     return zero_shot_accuracy(image_embeds, labels, class_embeds)
 
 
@@ -82,6 +91,7 @@ def evaluate_task(
     batch_size: int = 256,
     max_length: int | None = None,
     chunk_size: int = 1024,
+    cache: CacheSession | None = None,
 ) -> dict[str, float]:
     """All metrics of `model` on `task.eval`, always including `task.headline_metric`.
 
@@ -91,16 +101,17 @@ def evaluate_task(
     (default `["a photo of a {label}."]`): `accuracy`, `top5_accuracy` when there are more than 5 classes.
     Pair tasks (encoded by `hf_ccl.pair_features`): Recall@K between their two modalities' learner outputs, and
     the drift of their alignment matrix once learned (`hf_ccl.evaluation.pairs`).
-    The model's training mode is restored afterwards.
+    With `cache` (an `EmbeddingCache.session` of this model), embeddings whose producers did not change since they
+    were computed are reused (`hf_ccl.evaluation.cache`). The model's training mode is restored afterwards.
     """
     if task.kind == "pair":
         metrics = evaluate_pair_task(model, task)
     elif task.kind == "retrieval":
         metrics = _evaluate_retrieval(
-            model, task, image_processor, tokenizer, batch_size, max_length, chunk_size
+            model, task, image_processor, tokenizer, batch_size, max_length, chunk_size, cache
         )
     else:
-        metrics = _evaluate_classification(model, task, image_processor, tokenizer, batch_size, max_length)
+        metrics = _evaluate_classification(model, task, image_processor, tokenizer, batch_size, max_length, cache)
     if task.headline_metric not in metrics:
         raise RuntimeError(
             f"task {task.name!r}: headline metric {task.headline_metric!r} missing from {metrics}"
@@ -117,8 +128,12 @@ def evaluate_stream(
     batch_size: int = 256,
     max_length: int | None = None,
     chunk_size: int = 1024,
+    cache: EmbeddingCache | None = None,
 ) -> dict[str, dict[str, float]]:
-    """`evaluate_task` on every task (a `TaskStream` or a list of `Task`), keyed by task name in stream order."""
+    """`evaluate_task` on every task (a `TaskStream` or a list of `Task`), keyed by task name in stream order; with
+    `cache`, embeddings that cannot have changed since an earlier call are reused."""
+    session = None if cache is None else cache.session(
+        model, tokenizer, image_processor, batch_size=batch_size, max_length=max_length)
     results: dict[str, dict[str, float]] = {}
     for task in tasks:
         if task.name in results:
@@ -131,5 +146,6 @@ def evaluate_stream(
             batch_size=batch_size,
             max_length=max_length,
             chunk_size=chunk_size,
+            cache=session,
         )
     return results

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ..compute import TaskCompute, cost_table, cost_totals
 from .continual_metrics import summarize
 
 INITIAL_LABEL = "initial"
@@ -46,17 +47,21 @@ def _json_safe(value: float) -> float | None:
 
 @dataclass
 class ResultsRow:
-    """One evaluation of the model on (some of) the tasks: `metrics[task_name][metric_name] = value`."""
+    """One evaluation of the model on (some of) the tasks: `metrics[task_name][metric_name] = value`.
+
+    `evaluated=False` marks the row of a task after which the model was not evaluated (`eval_every`): no metrics,
+    every cell NaN."""
 
     label: str
     metrics: dict[str, dict[str, float]] = field(default_factory=dict)
+    evaluated: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         metrics = {
             task: {name: _json_safe(value) for name, value in values.items()}
             for task, values in self.metrics.items()
         }
-        return {"label": self.label, "metrics": metrics}
+        return {"label": self.label, "metrics": metrics, **({} if self.evaluated else {"evaluated": False})}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ResultsRow:
@@ -64,7 +69,7 @@ class ResultsRow:
             task: {name: _to_float(value) for name, value in values.items()}
             for task, values in data.get("metrics", {}).items()
         }
-        return cls(label=str(data["label"]), metrics=metrics)
+        return cls(label=str(data["label"]), metrics=metrics, evaluated=bool(data.get("evaluated", True)))
 
 
 class ResultsMatrix:
@@ -83,6 +88,10 @@ class ResultsMatrix:
         self.headline_metrics = self._resolve_headlines(headline_metrics)
         self.initial: ResultsRow | None = None
         self.rows: list[ResultsRow] = []
+        #: What each trained task cost (`hf_ccl.compute.TaskCompute` as dicts), set by the loop.
+        self.cost: list[dict[str, Any]] = []
+        #: How the rows were evaluated (`eval_every`, `eval_max_examples`, rows per task), set by the loop.
+        self.evaluation: dict[str, Any] | None = None
 
     def _resolve_headlines(self, headline_metrics: Sequence[str] | Mapping[str, str] | str) -> list[str]:
         if isinstance(headline_metrics, str):
@@ -108,12 +117,17 @@ class ResultsMatrix:
     def num_trained(self) -> int:
         return len(self.rows)
 
-    def add_row(self, label: str, metrics_by_task: Mapping[str, Mapping[str, float]]) -> None:
+    def add_row(
+        self, label: str, metrics_by_task: Mapping[str, Mapping[str, float]], *, evaluated: bool = True
+    ) -> None:
         """Add the evaluation after training task `label` (or the initial model, `label="initial"`).
 
         `metrics_by_task` maps task names to metric dicts (tasks may be missing). A label that is already present is
-        replaced in place, so re-evaluating after a resume does not duplicate a row.
+        replaced in place, so re-evaluating after a resume does not duplicate a row. `evaluated=False` adds the row
+        of a task after which the model was not evaluated (`eval_every`): it holds no metrics.
         """
+        if not evaluated and (metrics_by_task or label == INITIAL_LABEL):
+            raise ValueError("a row marked not evaluated holds no metrics (and the initial row is evaluated or absent)")
         unknown = set(metrics_by_task) - set(self.task_names)
         if unknown:
             raise ValueError(f"metrics for unknown tasks {sorted(unknown)}; tasks are {self.task_names}")
@@ -121,7 +135,7 @@ class ResultsMatrix:
             task: {name: _to_float(value) for name, value in values.items()}
             for task, values in metrics_by_task.items()
         }
-        row = ResultsRow(label=label, metrics=metrics)
+        row = ResultsRow(label=label, metrics=metrics, evaluated=evaluated)
         if label == INITIAL_LABEL:
             self.initial = row
             return
@@ -167,6 +181,7 @@ class ResultsMatrix:
 
         With k trained rows and k < T tasks, the derived metrics use the square top-left k x k block (the first k
         tasks, as if the stream had stopped there) and the first k initial scores; unseen tasks are left out.
+        A row that was not evaluated (`eval_every`) is NaN: every metric that reads one of its cells is NaN (null).
         """
         k = min(self.num_trained, self.num_tasks)
         if k == 0:
@@ -183,6 +198,8 @@ class ResultsMatrix:
             "initial": None if self.initial is None else self.initial.to_dict(),
             "rows": [row.to_dict() for row in self.rows],
             "summary": {name: _json_safe(value) for name, value in self.summary().items()},
+            "cost": {"tasks": self.cost, **cost_totals(self.cost)} if self.cost else None,
+            "evaluation": self.evaluation,
         }
 
     @classmethod
@@ -192,6 +209,8 @@ class ResultsMatrix:
         if data.get("initial") is not None:
             matrix.initial = ResultsRow.from_dict(data["initial"])
         matrix.rows = [ResultsRow.from_dict(row) for row in data.get("rows", [])]
+        matrix.cost = list((data.get("cost") or {}).get("tasks", []))
+        matrix.evaluation = data.get("evaluation")
         return matrix
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
@@ -214,6 +233,9 @@ class ResultsMatrix:
         lines += _headline_table(self)
         lines += ["", "## Derived metrics", ""]
         lines += _derived_table(self)
+        table = cost_table([TaskCompute(**record) for record in self.cost])
+        if table:
+            lines += ["", "## Cost", ""] + table
         return "\n".join(lines) + "\n"
 
     def __str__(self) -> str:
@@ -242,7 +264,8 @@ def _headline_table(matrix: ResultsMatrix) -> list[str]:
     if initial is not None:
         labelled.append((INITIAL_LABEL, initial))
     labelled += [
-        (f"after {row.label}", values) for row, values in zip(matrix.rows, matrix.headline(), strict=True)
+        (f"after {row.label}" + ("" if row.evaluated else " (not evaluated)"), values)
+        for row, values in zip(matrix.rows, matrix.headline(), strict=True)
     ]
     for label, values in labelled:
         lines.append("| " + " | ".join([_escape(label)] + [_format(v, 1) for v in values]) + " |")
@@ -251,7 +274,24 @@ def _headline_table(matrix: ResultsMatrix) -> list[str]:
         "Cells: each task's headline metric in percent (R_mean = mean of R@1/5/10 in both directions; "
         "accuracy = zero-shot top-1; R@1 of a pair task = mean of both directions); `-` = not evaluated.",
     ]
-    return lines
+    return lines + _evaluation_notes(matrix)
+
+
+def _evaluation_notes(matrix: ResultsMatrix) -> list[str]:
+    """What the evaluation protocol changes: skipped rows (`eval_every`), a subsample (`eval_max_examples`)."""
+    notes: list[str] = []
+    skipped = [row.label for row in matrix.rows if not row.evaluated]
+    if skipped:
+        every = (matrix.evaluation or {}).get("eval_every")
+        notes.append(f"Not evaluated after {', '.join(skipped)}" + (f" (eval_every={every})" if every else "")
+                     + ": the derived metrics that need those rows are `-` (null).")
+    protocol = matrix.evaluation or {}
+    if protocol.get("eval_max_examples") is not None:
+        examples = protocol.get("examples", {})
+        counts = ", ".join(f"{_escape(task)}: {n['evaluated']} of {n['rows']}" for task, n in examples.items())
+        notes.append(f"Evaluated on a fixed seeded subsample of at most {protocol['eval_max_examples']} eval rows "
+                     f"per task, the same rows in every row of the matrix ({counts}).")
+    return ["", *notes] if notes else []
 
 
 def _derived_table(matrix: ResultsMatrix) -> list[str]:

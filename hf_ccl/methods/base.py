@@ -112,6 +112,8 @@ class TaskContext:
     per_device_batch_size: int | None = None
     #: The Trainer's `state.log_history` of this task, after it trained.
     log_history: list[dict[str, Any]] = field(default_factory=list)
+    #: Wall seconds of the task by phase so far (`hf_ccl.compute.PHASES`), timed by the loop.
+    phase_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def seen_tasks(self) -> list[Task]:
@@ -232,9 +234,13 @@ class ContinualMethod:
         `context.per_device_batch_size` are then set.
         """
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self) -> dict[str, float | torch.Tensor]:
         """Diagnostics to log beside the loss (not added to it), e.g. the fraction of rows Mod-X keeps;
-        averaged over the steps of each logging window and logged as `<method>/<name>`."""
+        averaged over the steps of each logging window and logged as `<method>/<name>`.
+
+        Called every training step: a value computed on the device is returned as a one-element tensor (detached),
+        not read with `float()` or `.item()` (a host sync every step); the trainer sums it on the device and reads
+        it once per logging step. Python numbers are for values the host already has."""
         return {}
 
     def state_dict(self) -> dict[str, Any]:

@@ -365,8 +365,9 @@ class CLLCLIP(ContinualMethod):
                 return self.temperature.to(device)
         return self.temperature
 
-    def metrics(self) -> dict[str, float]:
-        return {"temperature": float(self.temperature.detach())}
+    def metrics(self) -> dict[str, torch.Tensor]:
+        """The learned temperature, as a device tensor (no host sync per step)."""
+        return {"temperature": self.temperature.detach()}
 
     # ----- the teacher ------------------------------------------------------------------------------------------
     def _snapshot(self, context: TaskContext) -> None:

@@ -218,6 +218,13 @@ def is_head(layer: str) -> bool:
     return layer.startswith(HEADS_PREFIX)
 
 
+def _removed_fraction(matrix: torch.Tensor, projected: torch.Tensor) -> torch.Tensor:
+    """‖M − proj(M)‖_F / ‖M‖_F (0 when M = 0), on the device (no host sync)."""
+    norm = matrix.float().norm()
+    removed = (matrix.float() - projected.float()).norm()
+    return torch.where(norm > 0, removed / norm.clamp_min(torch.finfo(norm.dtype).tiny), 0.0).detach()
+
+
 def run_batch(model: nn.Module, batch: dict[str, Any]) -> None:
     """One forward of a collated batch through the layers it feeds: a pair batch of cached features through the
     learner heads (`ContinualCLIPModel.forward`), images and texts through the towers (unnormalised)."""
@@ -256,8 +263,8 @@ class DNS(ContinualMethod):
         self.ranks: dict[str, dict[str, int]] = {}
         self._device_projectors: dict[tuple[str, torch.device, torch.dtype], tuple] = {}
         self._before_step: dict[str, torch.Tensor] = {}
-        self._removed: dict[str, float] = {}
-        self._update_removed: dict[str, float] = {}
+        self._removed: dict[str, torch.Tensor] = {}  # on the device: read back only when the trainer logs
+        self._update_removed: dict[str, torch.Tensor] = {}
         self._flags: dict[str, bool] | None = None
 
     # ----- layers and partners -----------------------------------------------------------------------------------
@@ -369,8 +376,7 @@ class DNS(ContinualMethod):
                 if grad is None:
                     continue
                 projected = self._project(layer, grad)
-                norm = grad.float().norm()
-                self._removed[layer] = float((grad.float() - projected.float()).norm() / norm) if norm > 0 else 0.0
+                self._removed[layer] = _removed_fraction(grad, projected)
                 grad.copy_(projected)
 
     def post_optimizer_step(self, model: ContinualCLIPModel, context: TaskContext) -> None:
@@ -380,17 +386,15 @@ class DNS(ContinualMethod):
                 weight = model.get_submodule(layer).weight
                 update = weight.detach() - before
                 projected = self._project(layer, update)
-                norm = update.float().norm()
-                removed = (update.float() - projected.float()).norm() / norm if norm > 0 else norm.new_zeros(())
-                self._update_removed[layer] = float(removed)
+                self._update_removed[layer] = _removed_fraction(update, projected)
                 weight.copy_(before + projected)
         self._before_step = {}
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self) -> dict[str, float | torch.Tensor]:
         """`active` (1 when any layer is projected this task), `rank_in/<layer>`, `rank_out/<layer>` (−1: identity,
         one-sided) and `removed/<layer>`: ‖G − ΔW‖_F / ‖G‖_F of the last step (`update_removed/<layer>` the same
-        for the optimizer's update with `project="update"`)."""
-        values: dict[str, float] = {"active": float(bool(self.projectors))}
+        for the optimizer's update with `project="update"`); the removed fractions are device tensors."""
+        values: dict[str, float | torch.Tensor] = {"active": float(bool(self.projectors))}
         for layer, ranks in self.ranks.items():
             values[f"rank_in/{layer}"] = float(ranks["in"])
             values[f"rank_out/{layer}"] = float(ranks["out"])

@@ -196,10 +196,11 @@ class ModX(TeacherMethod):
             return None
         return float(torch.stack(list(self._last_kept.values())).mean())
 
-    def metrics(self) -> dict[str, float]:
-        """`kept_fraction` (mean over directions) and `kept_fraction/<direction>` of the last training step."""
+    def metrics(self) -> dict[str, torch.Tensor]:
+        """`kept_fraction` (mean over directions) and `kept_fraction/<direction>` of the last training step, as
+        device tensors (no host sync per step)."""
         if not self._last_kept:
             return {}
-        values = {f"kept_fraction/{d}": float(v) for d, v in self._last_kept.items()}
-        values["kept_fraction"] = sum(values.values()) / len(values)
+        values = {f"kept_fraction/{d}": v for d, v in self._last_kept.items()}
+        values["kept_fraction"] = torch.stack(list(self._last_kept.values())).mean()
         return values
