@@ -51,6 +51,7 @@ def test_fsdp_options_without_fsdp_and_unknown_versions_are_refused(tmp_path):
     ContinualArguments(output_dir=str(tmp_path), training={"fsdp": False})  # off is fine
 
 
+@pytest.mark.slow  # two processes, ~25 s (CI time); the refusals themselves are tested above
 @pytest.mark.multiprocess
 def test_the_limits_still_hold_on_two_cpu_processes(tmp_path):
     """FSDP2 itself runs on gloo (an MLP shards, steps and gathers), but it refuses a CLIP (scalar logit_scale), and
