@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from hf_ccl.callbacks import TaskCallback
+from hf_ccl.compute import RUN_COST_HEADER, RUN_COST_NOTE, mean_run_cost, run_cost, run_cost_cells
 from hf_ccl.continual import ContinualArguments, ContinualLearner
 from hf_ccl.data import load_image_processor, load_tokenizer
 from hf_ccl.data.builders import load_split, to_canonical
@@ -170,6 +171,7 @@ def run(label: str, prior, stream, options, seed: int) -> dict:
         "train_s": sum(t["train_seconds"] for t in records),
         "method_task_s": sum(t["method_task_seconds"] for t in records),
         "wall_s": wall,
+        "cost": run_cost(learner.compute),
     }
 
 
@@ -208,8 +210,8 @@ def summarize(results: list[dict], labels: list[str], stream, options, prior_not
         "task-end work = the methods' per-task work outside the steps (s, all tasks).",
         "",
         "| method | final R@1 | BWT | plasticity | BWT (cosine, as a folded CLIP scores) | final R@10 | BWT_R10 "
-        "| drift | time vs vanilla | task-end work (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| drift | time vs vanilla | task-end work (s) | " + " | ".join(RUN_COST_HEADER) + " |",
+        "|---" * (10 + len(RUN_COST_HEADER)) + "|",
     ]
     for label in labels:
         cells = [
@@ -223,8 +225,9 @@ def summarize(results: list[dict], labels: list[str], stream, options, prior_not
         work = stats(label, "method_task_s")
         lines.append(
             f"| {label} | {' | '.join(cells)} | {drift[0]:.4f} | {ratio[0]:.2f} ± {ratio[1]:.2f} "
-            f"| {work[0]:.3f} |"
+            f"| {work[0]:.3f} | {run_cost_cells(mean_run_cost([r['cost'] for r in results if r['config'] == label]))} |"
         )
+    lines += ["", RUN_COST_NOTE]
     lines += ["", "Per-task R@1 after each task (rows: after training task t; seed mean):", ""]
     names = stream.task_names
     first = next(r for r in results)

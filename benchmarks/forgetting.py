@@ -14,6 +14,7 @@ Writes benchmarks/results/forgetting_<stream>.md/.json/.png.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import statistics
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 from transformers import TrainerCallback
 
+from hf_ccl.compute import RUN_COST_HEADER, RUN_COST_NOTE, mean_run_cost, run_cost, run_cost_cells
 from hf_ccl.continual import ContinualArguments, ContinualLearner
 from hf_ccl.data import build_stream, load_image_processor, load_tokenizer
 from hf_ccl.methods import build_methods
@@ -107,6 +109,7 @@ def run_method(spec: str, seed: int, stream, tokenizer, args, output_dir: Path) 
         "first_task_R@1_final": float(r1[-1, 0]),
         "median_step_s": statistics.median(log.step_times) if log.step_times else math.nan,
         "modx_kept_fraction": statistics.mean(log.kept) if log.kept else None,
+        "cost": run_cost(learner.compute),
     }
 
 
@@ -129,6 +132,7 @@ def aggregate(runs: list[dict]) -> list[dict]:
             row[key + "_std"] = float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
         kept = [r["modx_kept_fraction"] for r in mine if r["modx_kept_fraction"] is not None]
         row["modx_kept_fraction"] = statistics.fmean(kept) if kept else None
+        row["cost"] = mean_run_cost([r["cost"] for r in mine])
         row["first_task_R@1_curve"] = np.mean([[x[0] for x in r["recall_at_1"]] for r in mine], axis=0).tolist()
         rows.append(row)
     return rows
@@ -156,21 +160,22 @@ def write_tables(runs: list[dict], stream, args, path: Path) -> list[dict]:
         "the seed); step-time ratios are taken against `finetune` of the same seed.",
         "",
         "| method | final avg (headline) | final avg R@1 | BWT | forgetting | first task R@1: after it -> at the end "
-        "| step time vs finetune | Mod-X rows kept |",
-        "|---|---|---|---|---|---|---|---|",
+        "| step time vs finetune | Mod-X rows kept | " + " | ".join(RUN_COST_HEADER) + " |",
+        "|---" * (8 + len(RUN_COST_HEADER)) + "|",
     ]
     for r in rows:
         kept = "" if r["modx_kept_fraction"] is None else f"{100 * r['modx_kept_fraction']:.0f}%"
         lines.append(
             f"| {r['method']} | {cell(r, 'final_average', 1)} | {cell(r, 'final_average_R@1', 2)} | "
             f"{cell(r, 'backward_transfer', 1)} | {cell(r, 'forgetting', 1)} | {r['first_task_R@1_initial']:.2f} -> "
-            f"{r['first_task_R@1_final']:.2f} | {r['step_ratio']:.2f} | {kept} |"
+            f"{r['first_task_R@1_final']:.2f} | {r['step_ratio']:.2f} | {kept} | {run_cost_cells(r['cost'])} |"
         )
+    lines += ["", RUN_COST_NOTE]
     path.with_suffix(".md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     path.with_suffix(".json").write_text(json.dumps({"summary": rows, "runs": runs}, indent=2) + "\n",
                                          encoding="utf-8")
-    return rows
     print("\n".join(lines), flush=True)
+    return rows
 
 
 def plot(rows: list[dict], stream, path: Path) -> None:
@@ -215,6 +220,7 @@ def main() -> None:
         for spec in args.methods.split(","):
             started = time.perf_counter()
             runs.append(run_method(spec, seed, stream, tokenizer, args, Path("/tmp/hf_ccl_forgetting") / args.stream))
+            gc.collect()  # the next run's peak memory should not include this one's learner
             print(f"{spec} seed {seed}: done in {time.perf_counter() - started:.0f} s", flush=True)
             rows = write_tables(runs, stream, args, path)
     plot(rows, stream, path)

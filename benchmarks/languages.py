@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
+from hf_ccl.compute import RUN_COST_HEADER, RUN_COST_NOTE, mean_run_cost, run_cost, run_cost_cells
 from hf_ccl.continual import ContinualArguments, ContinualLearner
 from hf_ccl.data import build_stream, load_image_processor, load_tokenizer
 from hf_ccl.evaluation.continual_metrics import final_average, forgetting
@@ -135,6 +136,7 @@ def run(label: str, names: list[str], english_model, stream, options, seed: int)
         "F_t2i": forgetting(t2i), "english_drift": drift, "english_drift_after_en": later_drift,
         "median_step_s": statistics.median(times.times) if times.times else float("nan"),
         "vocab_size": len(learner.tokenizer),
+        "cost": run_cost(learner.compute),
     }
 
 
@@ -158,8 +160,8 @@ def write(runs: list[dict], languages: list[str], options, path: Path) -> None:
         "seeds " + options.seeds + ".",
         "",
         "| config | AR i2t | AR t2i | F i2t | F t2i | English-row drift from the English model | ... after the "
-        "English task | time/step vs cllclip |",
-        "|---|---|---|---|---|---|---|---|",
+        "English task | time/step vs cllclip | " + " | ".join(RUN_COST_HEADER) + " |",
+        "|---" * (8 + len(RUN_COST_HEADER)) + "|",
     ]
     for config in configs:
         mine = [r for r in runs if r["config"] == config]
@@ -168,8 +170,8 @@ def write(runs: list[dict], languages: list[str], options, path: Path) -> None:
         ratio = float(np.mean([r["median_step_s"] / base.get(r["seed"], float("nan")) for r in mine]))
         lines.append(f"| {config} | {mean['AR_i2t']:.2f} | {mean['AR_t2i']:.2f} | {mean['F_i2t']:.2f} | "
                      f"{mean['F_t2i']:.2f} | {mean['english_drift']:.4f} | {mean['english_drift_after_en']:.4f} | "
-                     f"{ratio:.2f} |")
-    lines += ["", "Per-language R@1 (mean of both directions; rows: after learning each language; seed mean):", ""]
+                     f"{ratio:.2f} | {run_cost_cells(mean_run_cost([r['cost'] for r in mine]))} |")
+    lines += ["", RUN_COST_NOTE, "", "Per-language R@1 (mean of both directions; rows: after learning each language; seed mean):", ""]
     for config in configs:
         matrix = np.mean([r["r1"] for r in runs if r["config"] == config], axis=0)
         lines += [f"**{config}**", "", "| after \\ eval | " + " | ".join(languages) + " |",

@@ -13,6 +13,11 @@ every parameter. A method cannot cost less than finetune plus the work it must a
 more than the noise (the spread of finetune's per-round medians) for a method that does more work is flagged as a
 measurement error, not reported as a result.
 
+Two things keep the first runs from being slower than the later ones on CPU (measured: finetune at 5.6 s/step as the
+first run, 2.1-2.4 s/step for the runs after it): glibc's malloc returns large blocks to the kernel and faults them in
+again on every step until its dynamic mmap threshold has grown, so the threshold is fixed at its maximum (32 MiB,
+`mallopt`) before anything is allocated; and one untimed finetune run warms up the process before the first round.
+
     python benchmarks/method_speed.py [--size vit-b-32] [--batch 8] [--steps 4] [--rounds 2]
 
 Writes benchmarks/results/method_speed.md. Goals (issue 14), ratio to finetune: Mod-X <= 1.35 (<= 1.10 with the
@@ -24,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
+import ctypes.util
 import platform
 import statistics
 import time
@@ -85,6 +92,23 @@ LIMIT_TEXT = {
 }
 WARMUP = 1
 MIN_TRAIN_PER_TASK = 64
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # glibc's ceiling on 64-bit systems
+
+
+def steady_allocator() -> bool:
+    """Fix glibc's mmap threshold at its maximum (and keep freed heap memory), so that activations are reused rather
+    than faulted in from the kernel at every step while the dynamic threshold grows; False where there is no glibc."""
+    name = ctypes.util.find_library("c")
+    if name is None or platform.system() != "Linux":
+        return False
+    libc = ctypes.CDLL(name)
+    if not hasattr(libc, "mallopt"):
+        return False
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(
+        libc.mallopt(M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD_MAX))
 
 
 def clip_config(size: str) -> CLIPConfig:
@@ -249,6 +273,7 @@ def main() -> None:
     parser.add_argument("--accumulation", type=int, default=1, help="training.gradient_accumulation_steps")
     parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "method_speed.md"))
     args = parser.parse_args()
+    steady = steady_allocator()
 
     registered = set(available_methods())
     wanted = {label.strip() for label in args.only.split(",") if label.strip()} | {"finetune"}
@@ -274,6 +299,7 @@ def main() -> None:
     peaks: dict[str, list[int]] = {c.label: [] for c in candidates}
     measured: dict[str, list[float]] = {}
     started = time.perf_counter()
+    run_method(candidates[0], config, stream, tokenizer, processor, training, first_task_epochs)  # untimed warm-up
     for round_index in range(args.rounds):
         for name, values in primitives(config, batch, repeats=3, bf16=args.bf16).items():
             measured.setdefault(name, []).extend(values)
@@ -305,7 +331,8 @@ def main() -> None:
         f"{args.batch}; torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()} "
         f"({platform.processor() or 'cpu'}). Second task of `digits` ({train_per_task} training examples, the first "
         f"task trained for 2 steps first), {args.steps} steps x {args.rounds} rounds after {WARMUP} warm-up step, "
-        f"methods interleaved in each round (finetune first and last). Wall time {time.perf_counter() - started:.0f} s.",
+        f"methods interleaved in each round (finetune first and last), after one untimed finetune run; glibc mmap "
+        f"threshold {'fixed at 32 MiB' if steady else 'dynamic (no glibc mallopt)'}. Wall time {time.perf_counter() - started:.0f} s.",
         "",
         "Primitives timed in the same rounds (median, same model, batch and precision): "
         + ", ".join(f"{name} {value * 1e3:.0f} ms" for name, value in medians.items())

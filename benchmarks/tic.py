@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hf_ccl.compute import RUN_COST_HEADER, RUN_COST_NOTE, mean_run_cost, run_cost, run_cost_cells
 from hf_ccl.continual import ContinualArguments, ContinualLearner
 from hf_ccl.data import build_stream, load_image_processor, load_tokenizer
 from hf_ccl.methods import build_methods
@@ -58,8 +59,7 @@ def run_strategy(name: str, seed: int, stream, tokenizer, options, output_dir: P
         "seed": seed,
         "matrix": results.headline().tolist(),
         **{key: summary.get(key, math.nan) for key in SUMMARY_KEYS},
-        "samples_seen": sum(record.samples_seen for record in learner.compute),
-        "macs": sum(record.macs for record in learner.compute),
+        "cost": run_cost(learner.compute),
         "seconds": time.perf_counter() - started,
     }
 
@@ -69,7 +69,7 @@ def aggregate(runs: list[dict]) -> list[dict]:
     for name in dict.fromkeys(r["strategy"] for r in runs):
         mine = [r for r in runs if r["strategy"] == name]
         row = {"strategy": name, "matrix": np.mean([r["matrix"] for r in mine], axis=0).tolist(),
-               "samples_seen": mine[0]["samples_seen"], "macs": mine[0]["macs"]}
+               "cost": mean_run_cost([r["cost"] for r in mine])}
         for key in SUMMARY_KEYS:
             values = np.array([r[key] for r in mine], dtype=float)
             row[key] = float(values.mean())
@@ -102,15 +102,17 @@ def write(runs: list[dict], stream, options, path: Path) -> None:
         "ID = mean of the diagonal, BWT = mean of the strict lower triangle (old steps), FWT = strict upper "
         "triangle (future steps), rel- = each row minus its diagonal (TiC App. F).",
         "",
-        "| strategy | ID | BWT | FWT | rel-BWT | rel-FWT | final avg | samples seen | MACs | compute vs Sequential |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| strategy | ID | BWT | FWT | rel-BWT | rel-FWT | final avg | compute vs Sequential | "
+        + " | ".join(RUN_COST_HEADER) + " |",
+        "|---" * (8 + len(RUN_COST_HEADER)) + "|",
     ]
     for row in rows:
         lines.append(
             f"| {row['strategy']} | {cell(row, 'tic_id')} | {cell(row, 'tic_bwt')} | {cell(row, 'tic_fwt')} | "
             f"{cell(row, 'tic_rel_bwt')} | {cell(row, 'tic_rel_fwt')} | {cell(row, 'final_average')} | "
-            f"{row['samples_seen']:,} | {row['macs']:.2e} | {row['macs'] / base['macs']:.2f}x |"
+            f"{row['cost']['macs'] / base['cost']['macs']:.2f}x | {run_cost_cells(row['cost'])} |"
         )
+    lines += ["", RUN_COST_NOTE]
     lines += ["", "Evaluation matrices (rows: model after step i; columns: eval set of step j; seed mean):", ""]
     for row in rows:
         lines += [f"**{row['strategy']}**", "", "| after \\ eval | " + " | ".join(names) + " |",
@@ -121,7 +123,7 @@ def write(runs: list[dict], stream, options, path: Path) -> None:
     path.with_suffix(".md").write_text("\n".join(lines), encoding="utf-8")
     path.with_suffix(".json").write_text(json.dumps({"summary": rows, "runs": runs}, indent=2) + "\n",
                                          encoding="utf-8")
-    print("\n".join(lines[:8 + len(rows)]), flush=True)
+    print("\n".join(lines[:10 + len(rows)]), flush=True)
 
 
 def main() -> None:

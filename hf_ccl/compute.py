@@ -18,9 +18,10 @@ the printed summary and the model card):
 
     seconds              wall time by phase, timed by the loop (`phase_timer`): `task_start` (the methods'
                          task-start hooks: teacher copies, adapters), `setup` (datasets, collators, the MAC count),
-                         `train` (`Trainer.train`), `method` (the methods' `after_training` and `on_task_end` work:
-                         Fisher, covariances, caches, buffers, weight patching), `eval` (the results-matrix row),
-                         `checkpoint` (writing task-<k>/; recorded once written, so the task's own checkpoint lacks it)
+                         `train` (`Trainer.train`), `after_training` and `task_end` (the methods' work after the
+                         steps: Fisher, covariances, caches, buffers, weight patching), `eval` (the results-matrix
+                         row), `checkpoint` (writing task-<k>/; recorded once written, so the task's own checkpoint
+                         lacks it)
     peak_rss_bytes       peak resident memory of the (main) process during the task: VmHWM, reset at the task's
                          start through /proc/self/clear_refs (Linux); elsewhere the process's peak so far
     peak_cuda_bytes      peak memory allocated by torch on the current CUDA device during the task (None on CPU)
@@ -196,9 +197,52 @@ def cost_totals(records: list[dict[str, Any]]) -> dict[str, Any]:
         "max_peak_rss_bytes": largest("peak_rss_bytes"),
         "max_peak_cuda_bytes": largest("peak_cuda_bytes"),
         "max_trainable_parameters": largest("trainable_parameters"),
+        "final_method_state_bytes": sum(records[-1].get("method_state_bytes", {}).values()) if records else 0,
         "total_samples_seen": sum(record.get("samples_seen", 0) for record in records),
         "total_macs": sum(record.get("macs", 0.0) for record in records),
     }
+
+
+#: Columns of the cost part of a table over runs (the all-methods benchmarks), filled by `run_cost_cells`.
+RUN_COST_HEADER = ("wall (s)", "train (s)", "eval (s)", "methods (s)", "peak memory", "trainable", "method state",
+                   "samples", "MACs")
+RUN_COST_NOTE = ("Cost columns (`hf_ccl.compute`, mean over seeds): wall = all timed phases of the run; methods = the "
+                 "methods' task-start, after-training and task-end work; peak memory = the largest per-task peak: "
+                 "allocated CUDA memory on a GPU, else the RSS of the benchmark's process (one process runs every "
+                 "configuration, so it includes what the process already held); trainable = the most parameters the optimizer updated in any task; method state = bytes of "
+                 "the methods' checkpointed state after the last task; samples and MACs = the training work.")
+
+
+def run_cost(records: list[TaskCompute]) -> dict[str, float | None]:
+    """One run's cost as flat numbers (for tables over runs): `cost_totals` of the loop's records, by key."""
+    totals = cost_totals([asdict(record) for record in records])
+    seconds = totals["total_seconds"]
+    return {
+        "wall_s": totals["total_wall_seconds"], "train_s": seconds["train"], "eval_s": seconds["eval"],
+        "methods_s": sum(seconds[phase] for phase in METHOD_PHASES), "peak_rss_bytes": totals["max_peak_rss_bytes"],
+        "peak_cuda_bytes": totals["max_peak_cuda_bytes"], "trainable_parameters": totals["max_trainable_parameters"],
+        "method_state_bytes": totals["final_method_state_bytes"], "samples": totals["total_samples_seen"],
+        "macs": totals["total_macs"],
+    }
+
+
+def mean_run_cost(costs: list[dict[str, float | None]]) -> dict[str, float | None]:
+    """Key-wise mean of `run_cost` dicts (over seeds); None where no run recorded the key."""
+    mean: dict[str, float | None] = {}
+    for key in costs[0]:
+        values = [cost[key] for cost in costs if cost.get(key) is not None]
+        mean[key] = sum(values) / len(values) if values else None
+    return mean
+
+
+def run_cost_cells(cost: dict[str, float | None]) -> str:
+    """The `RUN_COST_HEADER` cells of one table row, joined by ` | ` (peak CUDA replaces peak RSS where recorded)."""
+    peak = cost.get("peak_cuda_bytes") or cost.get("peak_rss_bytes")
+    cells = [f"{cost[key]:.1f}" for key in ("wall_s", "train_s", "eval_s", "methods_s")]
+    cells += [format_bytes(peak) if peak is not None else "-",
+              format_count(int(cost["trainable_parameters"])) if cost.get("trainable_parameters") is not None else "-",
+              format_bytes(cost["method_state_bytes"] or 0), f"{cost['samples']:,.0f}", f"{cost['macs']:.2e}"]
+    return " | ".join(cells)
 
 
 def load_compute(directory: str | Path) -> list[TaskCompute]:

@@ -18,9 +18,12 @@ from hf_ccl.compute import (
     TaskCompute,
     compute_summary,
     cost_totals,
+    mean_run_cost,
     peak_memory,
     phase_timer,
     reset_peak_memory,
+    run_cost,
+    run_cost_cells,
     state_bytes,
     trainable_parameter_count,
 )
@@ -47,6 +50,23 @@ def test_state_bytes_by_hand():
     # 3 float32 (12 B) + 2 int64 (16 B) + the key lengths (1 + 1 + 5) + JSON of 7 ("7": 1 B) and of "ab" (4 B)
     state = {"a": torch.zeros(3), "b": [torch.zeros(2, dtype=torch.int64), 7], "count": "ab"}
     assert state_bytes(state) == 12 + 16 + 1 + 1 + 5 + 1 + 4
+
+
+def test_run_cost_of_two_tasks_by_hand_and_its_mean_over_seeds():
+    def record(task: str, seconds: dict[str, float], rss: int, trainable: int, state: dict[str, int]) -> TaskCompute:
+        return TaskCompute(task, 10, 4, 40, 1e6, 3.0, 1.2e8, seconds, rss, None, trainable, 100, state)
+
+    records = [record("a", {"train": 2.0, "eval": 1.0, "task_end": 0.5}, 300, 50, {"ewc": 10}),
+               record("b", {"train": 3.0, "eval": 1.5, "task_start": 0.25, "checkpoint": 0.75}, 200, 60,
+                      {"ewc": 20, "er": 4})]
+    cost = run_cost(records)
+    assert cost == {"wall_s": 9.0, "train_s": 5.0, "eval_s": 2.5, "methods_s": 0.75, "peak_rss_bytes": 300,
+                    "peak_cuda_bytes": None, "trainable_parameters": 60, "method_state_bytes": 24, "samples": 80,
+                    "macs": 2.4e8}
+    other = dict(cost, wall_s=11.0, peak_rss_bytes=500)
+    mean = mean_run_cost([cost, other])
+    assert mean["wall_s"] == 10.0 and mean["peak_rss_bytes"] == 400 and mean["peak_cuda_bytes"] is None
+    assert run_cost_cells(mean) == "10.0 | 5.0 | 2.5 | 0.8 | 400 B | 60 | 24 B | 80 | 2.40e+08"
 
 
 def test_peak_memory_sees_an_allocation_after_the_reset():
