@@ -1,7 +1,7 @@
 """What a resumed run must share with the run it continues, and the readable diff when it does not.
 
 Every task checkpoint stores the run's `settings` (`run_settings`): seed, the training section, methods and their
-options, the compute rules, and the stream (task names, sources and a signature of each task's data, so that a changed
+options, the compute rules, the evaluation subsample (`eval_max_examples`), and the stream (task names, sources and a signature of each task's data, so that a changed
 `max_train_per_task` or another data file is caught). A resume compares them key by key (`settings_diff`) and refuses
 any difference not named in `resume_allow_changes` (dotted keys, `fnmatch` patterns allowed); allowed ones are
 recorded as `resume_changes` in the next checkpoints (and shown in the model card).
@@ -55,6 +55,9 @@ def run_settings(args: Any, stream: TaskStream, methods: Iterable[Any]) -> dict[
         "warmup": args.warmup,
         "max_length": args.max_length,
         "spatial_disorder_task": args.spatial_disorder_task,
+        # the rows each task is scored on: the rows before and after a resume must be comparable (stored only when
+        # set, so that checkpoints written before the option resume unchanged)
+        **({"eval_max_examples": args.eval_max_examples} if args.eval_max_examples is not None else {}),
         "stream": {
             "name": stream.name,
             "tasks": [

@@ -42,6 +42,14 @@ MATRIX_SIBLINGS = {"sequential": "finetune", "cumulative_exp": "cumulative_all",
                    "restart": "oracle", "der": "derpp"}
 #: Every method as a pytest parameter, the siblings marked `slow`.
 MATRIX = [pytest.param(name, marks=pytest.mark.slow) if name in MATRIX_SIBLINGS else name for name in METHODS]
+#: One method per step mechanism (distillation, momentum contrast, penalties, gradient projection, token-row
+#: scaling, replay, episodic memories, teacher caches, adapters, learner heads): the expensive every-method checks
+#: (two processes, the compiled step, the sync count) run these by default and every method under `-m slow`.
+REPRESENTATIVE = {"finetune", "modx", "ctp", "ewc", "si", "dns", "teir", "derpp", "gem", "agem", "cllclip", "lora",
+                  "learner_heads"}
+#: Every method as a pytest parameter, those outside `REPRESENTATIVE` marked `slow`.
+REPRESENTATIVE_MATRIX = [name if name in REPRESENTATIVE else pytest.param(name, marks=pytest.mark.slow)
+                         for name in METHODS]
 #: Methods that train pair tasks only (learner heads on cached features): they run on a pair stream.
 PAIR_ONLY = {name for name in METHODS if "learner_heads" in METHOD_CLASSES[name].roles}
 

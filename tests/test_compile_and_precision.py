@@ -1,5 +1,7 @@
 """`torch_compile` and mixed precision for every method: every task runs compiled, methods see the model's own
-parameter names, and bf16 autocast covers the methods' teachers and momentum models, not only the model."""
+parameter names, and bf16 autocast covers the methods' teachers and momentum models, not only the model. The
+representative methods (one per step mechanism, `tests/method_matrix.py`) run by default, every method under
+`-m slow`."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import math
 
 import pytest
 import torch
-from method_matrix import MATRIX, LogRecorder, run_method
+from method_matrix import REPRESENTATIVE_MATRIX, LogRecorder, run_method
 from transformers import TrainerCallback
 
 #: Compiling through dynamo and AOTAutograd without code generation: the tracing (where wrapper prefixes and graph
@@ -64,7 +66,7 @@ class PrecisionProbe(TrainerCallback):
         self._handles.clear()
 
 
-@pytest.mark.parametrize("method", MATRIX)
+@pytest.mark.parametrize("method", REPRESENTATIVE_MATRIX)
 def test_every_method_trains_compiled_on_every_task(tmp_path, method):
     """Two tasks, both compiled (on main only the first was, and CTP failed on `_orig_mod.`-prefixed names)."""
     watcher, recorder = CompiledEveryTask(), LogRecorder()
@@ -76,7 +78,7 @@ def test_every_method_trains_compiled_on_every_task(tmp_path, method):
     assert not any("_orig_mod" in name for name, _ in learner.model.named_parameters())
 
 
-@pytest.mark.parametrize("method", MATRIX)
+@pytest.mark.parametrize("method", REPRESENTATIVE_MATRIX)
 def test_every_method_trains_in_bf16_teachers_included(tmp_path, method):
     """bf16 autocast (CPU) reaches the model and every frozen model a method runs while training."""
     from hf_ccl import continual

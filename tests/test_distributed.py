@@ -1,8 +1,8 @@
 """Two processes with gloo on CPU, launched as users launch: `accelerate launch --multi_gpu --num_processes 2`.
 
-One launch checks the global-batch loss and gradients, exact accumulation through DDP, and, for every registered
-method (`available_methods()`, with `tests/method_matrix.py`'s options) and the papers' compositions, that both
-ranks end a 2-task run with the same parameters and the same method state."""
+One launch checks the global-batch loss and gradients, exact accumulation through DDP, and, for the representative
+methods (`tests/method_matrix.py`'s `REPRESENTATIVE`; every registered method under `-m slow`) and the papers'
+compositions, that both ranks end a 2-task run with the same parameters and the same method state."""
 
 import json
 import os
@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from method_matrix import REPRESENTATIVE
 
 from hf_ccl.methods import available_methods
 
@@ -41,8 +42,10 @@ def launch_two_processes(script: Path, *args: str) -> subprocess.CompletedProces
 
 
 @pytest.mark.multiprocess
-def test_two_processes_match_one(tmp_path):
-    launch_two_processes(SCRIPT, str(tmp_path))
+@pytest.mark.parametrize("methods", [pytest.param(sorted(REPRESENTATIVE), id="representative"),
+                                     pytest.param(None, id="every-method", marks=pytest.mark.slow)])
+def test_two_processes_match_one(tmp_path, methods):
+    launch_two_processes(SCRIPT, str(tmp_path), *([",".join(methods)] if methods else []))
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for report in reports:
         assert report["world_size"] == 2
@@ -56,7 +59,7 @@ def test_two_processes_match_one(tmp_path):
     assert (tmp_path / "run" / "task-1" / "model.safetensors").exists()
     # every registered method (one launch runs them all in turn): the same model and method state on both ranks
     first, second = reports
-    assert set(first["model_digests"]) == set(second["model_digests"]) >= set(available_methods())
+    assert set(first["model_digests"]) == set(second["model_digests"]) >= set(methods or available_methods())
     problems = []
     for run, spread in first["model_spread"].items():
         if spread != 0.0 or first["model_digests"][run] != second["model_digests"][run]:

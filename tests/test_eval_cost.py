@@ -279,8 +279,12 @@ def test_a_resumed_run_with_eval_every_gives_the_same_matrix(tmp_path):
     resumed = _learner(tmp_path / "resumed", stream, resume=True, **options).fit()
     assert resumed.to_dict()["rows"] == expected.to_dict()["rows"]
     other = _learner(tmp_path / "resumed", stream, resume=True, eval_every=2)  # all eval rows this time
+    with pytest.raises(ConfigError, match=r"eval_max_examples: 8 -> '<not set>'"):  # before anything is trained
+        other.fit()
+    other = _learner(tmp_path / "resumed", stream, resume=True, eval_every=2,
+                     resume_allow_changes=["eval_max_examples"])
     other.restore(tmp_path / "resumed" / "task-1")
-    with pytest.raises(ValueError, match="would not be comparable"):
+    with pytest.raises(ValueError, match="would not be comparable"):  # and allowing it cannot mix the rows
         other.evaluate()
 
 

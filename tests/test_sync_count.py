@@ -22,7 +22,7 @@ from typing import Any
 import method_matrix
 import pytest
 import torch
-from method_matrix import MATRIX, METHOD_CLASSES, run_method
+from method_matrix import MATRIX, METHOD_CLASSES, REPRESENTATIVE_MATRIX, run_method
 from torch.overrides import TorchFunctionMode
 from transformers import TrainerCallback
 
@@ -260,16 +260,7 @@ def _fit(name: str, output_dir: Path, watch: _StepWatch) -> None:
         run_method(name, output_dir, TRAINING, callbacks=[watch])
 
 
-#: Methods whose step paths differ, run by default (one each of distillation, momentum contrast, penalties, gradient
-#: projection, token-row scaling, replay, episodic memories, teacher caches, adapters, learner heads); the others run
-#: under `-m slow` (CI time).
-STEP_DEFAULT = {"finetune", "modx", "ctp", "ewc", "si", "dns", "teir", "derpp", "gem", "agem", "cllclip", "lora",
-                "learner_heads"}
-STEP_MATRIX = [name if getattr(name, "values", [name])[0] in STEP_DEFAULT
-               else pytest.param(getattr(name, "values", [name])[0], marks=pytest.mark.slow) for name in MATRIX]
-
-
-@pytest.mark.parametrize("name", STEP_MATRIX)
+@pytest.mark.parametrize("name", REPRESENTATIVE_MATRIX)
 def test_training_step_does_not_synchronize(name, tmp_path):
     watch = _StepWatch(SyncCounter)
     _fit(name, tmp_path, watch)

@@ -6,7 +6,8 @@
 2. A 2-task continual run with ContinualTrainer leaves identical parameters on both ranks.
 3. So does every registered method (with `tests/method_matrix.py`'s METHOD_ARGS), and the papers' compositions
    ([modx, er], [ctp, er], [lwf, er]): the same model state and the same method state on both ranks, bit for bit.
-Writes `rank<r>.json` into the folder given as the first argument.
+Writes `rank<r>.json` into the folder given as the first argument. A second argument, a comma-separated list of
+methods, limits the single-method runs of 3 to those (the compositions and accumulated runs always run).
 """
 
 from __future__ import annotations
@@ -149,12 +150,12 @@ def rank_spread(tensors: list[torch.Tensor]) -> float:
     return (high - low).abs().max().item()
 
 
-def method_matrix(tokenizer, output_dir: Path) -> dict:
+def method_matrix(tokenizer, output_dir: Path, only: set[str] | None = None) -> dict:
     """Every registered method (and the papers' compositions) for 2 tasks x 2 steps: per run, the sha256 of every
     model tensor and of every leaf of every method's state, and the largest difference of the model's tensors
     across ranks; the `ACCUMULATED` runs also with gradient_accumulation_steps=2 (keys `accumulate2:<methods>`)."""
     registered = set(available_methods())
-    runs = [((name,), 1) for name in sorted(registered)]
+    runs = [((name,), 1) for name in sorted(registered) if only is None or name in only]
     runs += [(combo, 1) for combo in COMPOSITIONS if set(combo) <= registered]
     runs += [(combo, 2) for combo in ACCUMULATED if set(combo) <= registered]
     report: dict[str, dict] = {"model_digests": {}, "method_digests": {}, "model_spread": {}}
@@ -182,6 +183,7 @@ def method_matrix(tokenizer, output_dir: Path) -> dict:
 
 def main() -> None:
     output_dir = Path(sys.argv[1])
+    only = set(sys.argv[2].split(",")) if len(sys.argv) > 2 else None
     state = PartialState(cpu=True)
     rank, world = state.process_index, state.num_processes
     tokenizer = load_tokenizer()
@@ -190,7 +192,7 @@ def main() -> None:
         **global_batch_check(tokenizer, rank, world),
         **accumulation_check(tokenizer, rank, world),
         **continual_run(tokenizer, output_dir),
-        **method_matrix(tokenizer, output_dir),
+        **method_matrix(tokenizer, output_dir, only),
     }
     (output_dir / f"rank{rank}.json").write_text(json.dumps(report))
 
