@@ -42,12 +42,18 @@ MATRIX_SIBLINGS = {"sequential": "finetune", "cumulative_exp": "cumulative_all",
                    "restart": "oracle", "der": "derpp"}
 #: Every method as a pytest parameter, the siblings marked `slow`.
 MATRIX = [pytest.param(name, marks=pytest.mark.slow) if name in MATRIX_SIBLINGS else name for name in METHODS]
-#: One method per step mechanism (distillation, momentum contrast, penalties, gradient projection, token-row
-#: scaling, replay, episodic memories, teacher caches, adapters, learner heads): the expensive every-method checks
-#: (two processes, the compiled step, the sync count) run these by default and every method under `-m slow`.
-REPRESENTATIVE = {"finetune", "modx", "ctp", "ewc", "si", "dns", "teir", "derpp", "gem", "agem", "cllclip", "lora",
-                  "learner_heads"}
-#: Every method as a pytest parameter, those outside `REPRESENTATIVE` marked `slow`.
+#: Methods whose training step is another method's (the same losses, hooks and state per step; they differ in data,
+#: aliases, formulas or task-end work), with that method. The expensive every-method checks (two processes, the
+#: compiled step, bf16, exact accumulation, the sync count) run every other method by default (`REPRESENTATIVE`: one
+#: per step mechanism, and any new method) and these under `-m slow`.
+SAME_STEP_AS = {
+    "sequential": "finetune", "joint": "finetune", "cumulative_all": "finetune", "cumulative_exp": "finetune",
+    "cumulative_equal": "finetune", "oracle": "finetune", "restart": "finetune", "patching": "finetune",
+    "lwf": "modx", "mas": "ewc", "er": "derpp", "der": "derpp", "grow_vocab": "cllclip", "prompt": "lora",
+}
+assert set(SAME_STEP_AS) | set(SAME_STEP_AS.values()) <= set(METHODS), "SAME_STEP_AS names an unknown method"
+REPRESENTATIVE = {name for name in METHODS if name not in SAME_STEP_AS}
+#: Every method as a pytest parameter, those in `SAME_STEP_AS` marked `slow`.
 REPRESENTATIVE_MATRIX = [name if name in REPRESENTATIVE else pytest.param(name, marks=pytest.mark.slow)
                          for name in METHODS]
 #: Methods that train pair tasks only (learner heads on cached features): they run on a pair stream.

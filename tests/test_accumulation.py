@@ -1,5 +1,6 @@
 """Exact gradient accumulation: one optimizer step of 32 x 2 equals one of 64 x 1, for the contrastive loss and for
-every method's terms (`hf_ccl.accumulation`)."""
+every method's terms (`hf_ccl.accumulation`; the representative methods of `tests/method_matrix.py` by default,
+every method under `-m slow`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 
 import pytest
 import torch
-from method_matrix import MATRIX, PAIR_ONLY, LogRecorder, run_method
+from method_matrix import PAIR_ONLY, REPRESENTATIVE_MATRIX, LogRecorder, run_method
 
 from hf_ccl.accumulation import accumulated_backward, concat_batches
 from hf_ccl.losses import clip_contrastive_loss
@@ -70,7 +71,7 @@ def test_accumulated_gradient_equals_the_whole_batch_gradient():
     assert accumulated["logit_scale"].abs() > 0 and accumulated["image.weight"].abs().sum() > 0
 
 
-@pytest.mark.parametrize("method", MATRIX)
+@pytest.mark.parametrize("method", REPRESENTATIVE_MATRIX)  # every method under -m slow
 def test_every_method_trains_the_same_with_32x2_as_with_64x1(tmp_path, method):
     """Two tasks with 2 SGD steps each: every parameter and every logged loss term of the first step of the second
     task (where the teachers, penalties, buffers and queues are live) agree; the first loss is ln 64, not ln 32."""
