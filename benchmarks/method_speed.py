@@ -328,7 +328,7 @@ def main() -> None:
         "# Time per training step of each method vs `finetune`, beside its limit",
         "",
         f"Command: `python benchmarks/method_speed.py --size {args.size} --batch {args.batch} --steps {args.steps} "
-        f"--rounds {args.rounds}" + (f" --only {args.only}" if args.only else "")
+        f"--rounds {args.rounds} --epochs {args.epochs:g}" + (f" --only {args.only}" if args.only else "")
         + "".join(f" --{flag}" for flag in ("bf16", "compile") if getattr(args, flag))
         + (f" --accumulation {args.accumulation}" if args.accumulation > 1 else "") + "`  ",
         f"Device: {device_name()}.  ",
