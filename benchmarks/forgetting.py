@@ -85,7 +85,7 @@ def run_method(spec: str, seed: int, stream, tokenizer, args, output_dir: Path) 
         tiny_clip(seed=seed, **SIZES[args.size]), stream, build_methods(names, method_args(names, args.buffer_size)),
         load_image_processor(SIZES[args.size]["image_size"]), tokenizer,
         ContinualArguments(
-            output_dir=str(output_dir / spec), save_checkpoints=False, progress=False, seed=seed,
+            output_dir=str(output_dir / f"{spec}-seed{seed}"), save_checkpoints=False, progress=False, seed=seed,
             first_task_epochs=args.first_epochs,
             training={"num_train_epochs": args.epochs, "per_device_train_batch_size": args.batch_size,
                       "learning_rate": args.lr, "warmup_steps": 0.1, "lr_scheduler_type": "cosine"},
