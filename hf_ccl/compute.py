@@ -209,8 +209,9 @@ RUN_COST_HEADER = ("wall (s)", "train (s)", "eval (s)", "methods (s)", "peak mem
 RUN_COST_NOTE = ("Cost columns (`hf_ccl.compute`, mean over seeds): wall = all timed phases of the run; methods = the "
                  "methods' task-start, after-training and task-end work; peak memory = the largest per-task peak: "
                  "allocated CUDA memory on a GPU, else the RSS of the benchmark's process (one process runs every "
-                 "configuration, so it includes what the process already held); trainable = the most parameters the optimizer updated in any task; method state = bytes of "
-                 "the methods' checkpointed state after the last task; samples and MACs = the training work.")
+                 "configuration, so it includes what the process already held); trainable = the most parameters the "
+                 "optimizer updated in any task; method state = bytes of the methods' checkpointed state after the "
+                 "last task; samples and MACs = the training work.")
 
 
 def run_cost(records: list[TaskCompute]) -> dict[str, float | None]:
