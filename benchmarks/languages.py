@@ -148,8 +148,9 @@ def write(runs: list[dict], languages: list[str], options, path: Path) -> None:
         "",
         f"Command: `python benchmarks/languages.py --languages {options.languages} --train-per-language "
         f"{options.train_per_language} --eval-per-language {options.eval_per_language} --epochs {options.epochs} "
-        f"--pretrain-epochs {options.pretrain_epochs} --vocab-size {options.vocab_size} --lr {options.lr} "
-        f"--seeds {options.seeds}`  ",
+        f"--pretrain-examples {options.pretrain_examples} --pretrain-epochs {options.pretrain_epochs} "
+        f"--vocab-size {options.vocab_size} --buffer-size {options.buffer_size} --lr {options.lr} "
+        f"--configs {options.configs} --seeds {options.seeds}`  ",
         f"A random CLIP {MODEL} pretrained on English Flickr8k ({options.pretrain_examples} images, "
         f"{options.pretrain_epochs} epochs, all weights), then the languages {', '.join(languages)} one per task "
         f"({options.train_per_language} images each, {options.epochs} epochs, batch 64); evaluation on the same "
