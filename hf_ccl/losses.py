@@ -45,3 +45,23 @@ def clip_contrastive_loss(logits_per_image: torch.Tensor, mask: torch.Tensor | N
         image_loss = soft_cross_entropy(logits_per_image, soft_targets(mask))
         text_loss = soft_cross_entropy(logits_per_image.t(), soft_targets(mask.t()))
     return (image_loss + text_loss) / 2.0
+
+
+def sigmoid_contrastive_loss(
+    logits_per_image: torch.Tensor, mask: torch.Tensor | None = None, num_rows: int | None = None
+) -> torch.Tensor:
+    """SigLIP's pairwise sigmoid loss (Zhai et al. 2023, Eq. 1 / Algorithm 1):
+
+        L = -1/|B| sum_i sum_j log sigmoid(z_ij * (t x_i . y_j + b)),   z_ij = 1 for a positive pair, else -1,
+
+    on `logits_per_image` = t x_i . y_j + b (image rows, text columns). Positives are the diagonal when `mask` is
+    None (then it equals `SiglipModel`'s own loss) and the mask's pairs otherwise (duplicate texts or images).
+    `logits_per_image` may hold only some rows of the batch (one process's images against every text): `num_rows` is
+    then |B|, the number of images in the whole batch (default: the rows given).
+    """
+    logits = logits_per_image.float()
+    if mask is None:
+        mask = torch.eye(logits.shape[0], logits.shape[1], dtype=torch.bool, device=logits.device)
+    signs = mask.to(logits.dtype) * 2.0 - 1.0
+    rows = logits.shape[0] if num_rows is None else num_rows
+    return -F.logsigmoid(signs * logits).sum() / rows

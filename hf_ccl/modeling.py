@@ -1,8 +1,16 @@
-"""`ContinualCLIPModel`: a `transformers.CLIPModel` that continual-learning methods can build on.
+"""The dual-encoder protocol (`ContinualDualEncoder`) and `ContinualCLIPModel`, its `transformers.CLIPModel` family.
 
-What it adds to `CLIPModel`, and nothing else (its checkpoints load with plain `CLIPModel.from_pretrained`):
-- the contrastive loss over the *global* batch (differentiable all-gather), with a positive mask for duplicate
-  texts or images; with one process and unique pairs it equals `CLIPModel`'s own loss;
+`ContinualDualEncoder` is what the loop, the evaluator and every method use instead of one family's internals: image
+and text features (`embed_images`, `embed_texts`), the logits and the family's own loss (`logits`,
+`contrastive_loss`: CLIP's softmax or SigLIP's sigmoid), the logit scale and, where the family has one, its bias
+(`logit_bias_or_none`), the input embeddings, the projections (`projection_names`) and the towers' parameter names
+(`tower_prefixes`). It is a mixin placed before a transformers class; each family (`hf_ccl.families`) is one small
+subclass that keeps its parent's `from_pretrained` / `save_pretrained`, so its checkpoints load with the plain
+transformers class (`CLIPModel`, `SiglipModel`, ...).
+
+What it adds to its transformers parent, and nothing else:
+- the family's loss over the *global* batch (differentiable all-gather), with a positive mask for duplicate
+  texts or images; with one process and unique pairs it equals the parent's own loss;
 - outputs that carry the global embeddings and mask, so method losses need not gather again;
 - EOS pooling that stays right when the vocabulary grows (`align_special_tokens`);
 - input-embedding access and `resize_token_embeddings` for the text tower;
@@ -14,18 +22,19 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 from transformers import CLIPConfig, CLIPModel, PreTrainedTokenizerBase
 from transformers.models.clip.modeling_clip import CLIPOutput
 
-from .distributed import all_gather_no_grad, all_gather_with_grad
+from .distributed import all_gather_no_grad, all_gather_with_grad, rank, world_size
 from .heads import PairOutput
-from .losses import clip_contrastive_loss, positive_mask
+from .losses import clip_contrastive_loss, positive_mask, sigmoid_contrastive_loss
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +42,7 @@ LEGACY_EOS_TOKEN_ID = 2
 
 
 @dataclass
-class ContinualCLIPOutput(CLIPOutput):
+class ContinualDualEncoderOutput(CLIPOutput):
     """`CLIPOutput` plus this process's projected features before normalisation (`image_features`,
     `text_features`) and the global batch: normalised embeddings gathered from every process (with gradients for
     this process's rows), the global logit matrix (image rows, text columns) and the positive mask."""
@@ -44,6 +53,10 @@ class ContinualCLIPOutput(CLIPOutput):
     all_text_embeds: torch.Tensor | None = None
     global_logits_per_image: torch.Tensor | None = None
     global_positive_mask: torch.Tensor | None = None
+
+
+#: The name this output had when CLIP was the only family.
+ContinualCLIPOutput = ContinualDualEncoderOutput
 
 
 def tiny_clip_config(
@@ -94,41 +107,110 @@ def as_embedding(output: Any) -> torch.Tensor:
     raise TypeError(f"cannot read an embedding from {type(output).__name__}; expected a tensor or pooler_output")
 
 
-class ContinualCLIPModel(CLIPModel):
-    """CLIP with a global-batch contrastive loss and a growable vocabulary. See the module docstring."""
+def _module_at(root: nn.Module, path: str) -> nn.Module:
+    module = root
+    for part in path.split("."):
+        module = getattr(module, part)
+    return module
 
-    def __init__(self, config: CLIPConfig):
-        super().__init__(config)
+
+def set_eos_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Set a CLIP-style text tower's BOS/EOS/PAD ids to the tokenizer's (it pools at the first EOS token)."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError("The tokenizer has no EOS token; this text tower pools at its EOS position")
+    text_config = model.config.text_config
+    text_config.eos_token_id = tokenizer.eos_token_id
+    text_config.bos_token_id = tokenizer.bos_token_id
+    text_config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    model.text_model.config.eos_token_id = tokenizer.eos_token_id
+    model.text_model.eos_token_id = tokenizer.eos_token_id
+
+
+class ContinualDualEncoder:
+    """The dual-encoder protocol and the continual-learning additions shared by every family (module docstring).
+
+    A mixin: a family is `class ContinualXModel(ContinualDualEncoder, XModel)` with the class attributes below set.
+    """
+
+    #: The family's name in configs (`model.family`) and in errors.
+    family: ClassVar[str] = ""
+    #: The plain transformers class a saved checkpoint names in `architectures`.
+    plain_architecture: ClassVar[str] = ""
+    #: "softmax" (CLIP's symmetric InfoNCE) or "sigmoid" (SigLIP's pairwise sigmoid loss with a learned bias).
+    loss_kind: ClassVar[str] = "softmax"
+    #: exp(logit_scale) is clamped to at most exp(max_logit_scale) after each step (OpenAI CLIP's 100); None: no clamp.
+    max_logit_scale: ClassVar[float | None] = math.log(100.0)
+    #: The last linear map of each tower into the shared space (DNS's default layers, the learner heads' fold
+    #: targets); None where the family has none (SigLIP's image embedding is its attention-pooling head's output).
+    projection_names: ClassVar[dict[str, str | None]] = {"image": "visual_projection", "text": "text_projection"}
+    #: Parameter-name prefixes of each tower, its projection included.
+    tower_prefixes: ClassVar[dict[str, tuple[str, ...]]] = {
+        "image": ("vision_model.", "visual_projection"), "text": ("text_model.", "text_projection")}
+    #: Where the text tower's token embedding lives.
+    token_embedding_path: ClassVar[str] = "text_model.embeddings.token_embedding"
+    #: How texts are padded for this family: "longest" (per batch) or "max_length" (SigLIP pools the last position).
+    text_padding: ClassVar[str] = "longest"
+    #: Whether the text tower is given an attention mask (SigLIP was trained without one).
+    text_attention_mask: ClassVar[bool] = True
+    #: Methods that cannot work on this family, each with the reason (refused before training).
+    unsupported_methods: ClassVar[dict[str, str]] = {}
+
+    config: Any
+    logit_scale: nn.Parameter
+
+    def _init_continual(self) -> None:
         #: Optional text prompt (e.g. `hf_ccl.methods.prompt.TextPrompt`): a module called as
         #: `text_prompt(text_model, input_ids, attention_mask)` that returns the text tower's output (unprojected
         #: `pooler_output`) with its prompt inserted. A submodule, so its parameters train and move with the model,
-        #: but never saved by `save_pretrained` (checkpoints stay plain CLIPs; the prompt lives in method state).
+        #: but never saved by `save_pretrained` (checkpoints stay plain; the prompt lives in method state).
         self.text_prompt: nn.Module | None = None
         #: Optional per-modality learner heads (`hf_ccl.heads.LearnerHeads`, CMCL's setting): a batch of cached
         #: frozen features (`features_a`, `features_b`, `modality_a`, `modality_b`) runs through them. Folded into
-        #: the projections by `save_pretrained`, so checkpoints stay plain CLIPs; the heads live in method state.
+        #: the projections by `save_pretrained`, so checkpoints stay plain; the heads live in method state.
         self.learner_heads: nn.Module | None = None
-        if config.text_config.eos_token_id == LEGACY_EOS_TOKEN_ID and config.text_config.vocab_size > 3:
-            logger.warning(
-                "text_config.eos_token_id is the legacy value 2: CLIP then pools at input_ids.argmax(), which is "
-                "wrong once tokens are added. Call model.align_special_tokens(tokenizer)."
-            )
+
+    # ----- the protocol ------------------------------------------------------------------------------------
+    @property
+    def embed_dim(self) -> int:
+        """The dimension of the shared embedding space."""
+        return int(self.config.projection_dim)
+
+    @property
+    def max_text_positions(self) -> int:
+        """How many tokens the text tower takes."""
+        return int(self.config.text_config.max_position_embeddings)
+
+    @property
+    def image_size(self) -> int:
+        return int(self.config.vision_config.image_size)
+
+    def logit_bias_or_none(self) -> torch.Tensor | None:
+        """The learned logit bias (sigmoid families), else None."""
+        return getattr(self, "logit_bias", None) if self.loss_kind == "sigmoid" else None
+
+    def logits(self, image_embeds: torch.Tensor, text_embeds: torch.Tensor) -> torch.Tensor:
+        """The family's logits of normalised embeddings, image rows and text columns: exp(t) * cos (+ b)."""
+        logits = self.logit_scale.exp() * image_embeds @ text_embeds.t()
+        bias = self.logit_bias_or_none()
+        return logits if bias is None else logits + bias
+
+    def contrastive_loss(self, logits_per_image: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The family's own loss on a full [N, N] logit matrix of one batch (image rows, text columns)."""
+        if self.loss_kind == "sigmoid":
+            return sigmoid_contrastive_loss(logits_per_image, mask)
+        return clip_contrastive_loss(logits_per_image, mask)
+
+    def projection(self, modality: str) -> nn.Linear | None:
+        """The tower's final linear map into the shared space (`projection_names`), or None."""
+        name = self.projection_names[modality]
+        return None if name is None else _module_at(self, name)  # type: ignore[arg-type]
+
+    def family_error(self, what: str) -> ValueError:
+        return ValueError(f"{what} is not available for the {self.family} family ({type(self).__name__})")
 
     # ----- special tokens and vocabulary -------------------------------------------------------------------
     def align_special_tokens(self, tokenizer: PreTrainedTokenizerBase) -> None:
-        """Set the text tower's BOS/EOS/PAD ids to the tokenizer's, so pooling finds the real EOS token.
-
-        `CLIPTextModel` pools at the first `eos_token_id` in each row (or at `argmax(input_ids)` when the id is the
-        legacy 2); with the tokenizer's real EOS id this is right whatever the vocabulary size.
-        """
-        if tokenizer.eos_token_id is None:
-            raise ValueError("The tokenizer has no EOS token; CLIP pools the text at its EOS position")
-        text_config = self.config.text_config
-        text_config.eos_token_id = tokenizer.eos_token_id
-        text_config.bos_token_id = tokenizer.bos_token_id
-        text_config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.text_model.config.eos_token_id = tokenizer.eos_token_id
-        self.text_model.eos_token_id = tokenizer.eos_token_id
+        """Check the tokenizer fits the token embedding (and, in families that pool at EOS, set the ids)."""
         if len(tokenizer) > self.get_input_embeddings().num_embeddings:
             raise ValueError(
                 f"The tokenizer has {len(tokenizer)} tokens but the model's token embedding only "
@@ -136,10 +218,11 @@ class ContinualCLIPModel(CLIPModel):
             )
 
     def get_input_embeddings(self) -> nn.Module:
-        return self.text_model.embeddings.token_embedding
+        return _module_at(self, self.token_embedding_path)  # type: ignore[arg-type]
 
     def set_input_embeddings(self, value: nn.Module) -> None:
-        self.text_model.embeddings.token_embedding = value
+        parent, _, name = self.token_embedding_path.rpartition(".")
+        setattr(_module_at(self, parent), name, value)  # type: ignore[arg-type]
 
     def resize_token_embeddings(
         self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None, mean_resizing: bool = True
@@ -148,17 +231,199 @@ class ContinualCLIPModel(CLIPModel):
 
         `mean_resizing=False` leaves new rows at the default init, for methods that set their own (TEIR).
         """
-        embedding = self.text_model.resize_token_embeddings(
-            new_num_tokens, pad_to_multiple_of=pad_to_multiple_of, mean_resizing=mean_resizing
+        old = self.get_input_embeddings()
+        embedding = self._get_resized_embeddings(  # type: ignore[attr-defined]
+            old, new_num_tokens, pad_to_multiple_of=pad_to_multiple_of, mean_resizing=mean_resizing
         )
-        self.config.text_config.vocab_size = embedding.num_embeddings
+        self.set_input_embeddings(embedding)
+        for config in {id(c): c for c in self._text_configs()}.values():
+            config.vocab_size = embedding.num_embeddings
         return embedding
+
+    def _text_configs(self) -> list[Any]:
+        """The text config objects that name the vocabulary size (the model's and its text tower's)."""
+        configs = [self.config.text_config]
+        tower_config = getattr(getattr(self, "text_model", None), "config", None)
+        if tower_config is not None:
+            configs.append(tower_config)
+        return configs
 
     # ----- embeddings --------------------------------------------------------------------------------------
     def embed_images(self, pixel_values: torch.Tensor, normalize: bool = True) -> torch.Tensor:
-        """Projected image embeddings [B, projection_dim]."""
-        embeds = as_embedding(self.get_image_features(pixel_values=pixel_values))
+        """Projected image embeddings [B, embed_dim]."""
+        embeds = as_embedding(self.get_image_features(pixel_values=pixel_values))  # type: ignore[attr-defined]
         return nn.functional.normalize(embeds, dim=-1) if normalize else embeds
+
+    def text_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> dict[str, Any]:
+        """The text tower's inputs under this family's convention (no attention mask where it was trained without)."""
+        inputs: dict[str, Any] = {"input_ids": input_ids}
+        if self.text_attention_mask and attention_mask is not None:
+            inputs["attention_mask"] = attention_mask
+        return inputs
+
+    def embed_texts(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, normalize: bool = True
+    ) -> torch.Tensor:
+        """Projected text embeddings [B, embed_dim]."""
+        embeds = as_embedding(self.get_text_features(**self.text_inputs(input_ids, attention_mask)))  # type: ignore[attr-defined]
+        return nn.functional.normalize(embeds, dim=-1) if normalize else embeds
+
+    # ----- forward -----------------------------------------------------------------------------------------
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: torch.LongTensor | None = None,
+        pixel_values: torch.FloatTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        return_loss: bool | None = None,
+        text_hash: torch.Tensor | None = None,
+        image_hash: torch.Tensor | None = None,
+        features_only: bool = False,
+        features_a: torch.Tensor | None = None,
+        features_b: torch.Tensor | None = None,
+        modality_a: str | None = None,
+        modality_b: str | None = None,
+        **kwargs: Any,
+    ) -> ContinualDualEncoderOutput | PairOutput:
+        """Like the parent's `forward`, but the loss runs over the global batch and honours a positive mask.
+
+        `text_hash` / `image_hash` (int64 per example, from `CLIPCollator`) mark duplicate texts and images: the
+        pairs that share either are positives of each other (DESIGN.md, "Positives in a batch").
+        `features_only=True` stops after the towers: the output holds only `image_features` and `text_features`
+        (what `ContinualTrainer`'s exact gradient accumulation encodes chunk by chunk; `contrastive_outputs` does
+        the rest over the whole accumulated batch).
+
+        A pair batch (`features_a`, `features_b` and their modality names, from `PairFeatureCollator`) runs through
+        `learner_heads` instead and returns its `PairOutput` (the pair loss of Eq. 2, CMCL).
+        """
+        kwargs.pop("num_items_in_batch", None)
+        if features_a is not None or features_b is not None:
+            if self.learner_heads is None:
+                raise ValueError("a pair batch (features_a/features_b) needs learner heads: add the learner_heads "
+                                 "method")
+            if features_a is None or features_b is None or modality_a is None or modality_b is None:
+                raise ValueError("a pair batch needs features_a, features_b, modality_a and modality_b")
+            return self.learner_heads(modality_a, modality_b, features_a, features_b, return_loss=bool(return_loss))
+        image_features = as_embedding(self.get_image_features(pixel_values=pixel_values))  # type: ignore[attr-defined]
+        text_inputs = self.text_inputs(input_ids, attention_mask)  # type: ignore[arg-type]
+        if position_ids is not None:
+            text_inputs["position_ids"] = position_ids
+        text_features = as_embedding(self.get_text_features(**text_inputs))  # type: ignore[attr-defined]
+        if features_only:
+            return ContinualDualEncoderOutput(image_features=image_features, text_features=text_features)
+        return self.contrastive_outputs(image_features, text_features, text_hash, image_hash, return_loss=return_loss)
+
+    def contrastive_outputs(
+        self,
+        image_features: torch.Tensor,
+        text_features: torch.Tensor,
+        text_hash: torch.Tensor | None = None,
+        image_hash: torch.Tensor | None = None,
+        return_loss: bool | None = None,
+    ) -> ContinualDualEncoderOutput:
+        """Everything after the towers, from this process's projected features: normalisation, the global batch
+        (differentiable all-gather), the logits, the positive mask and (with `return_loss`) the family's loss.
+
+        Softmax families compute the loss over the whole global matrix on every process (identical on each; DDP's
+        gradient averaging then gives the global loss's gradient). The sigmoid loss is a sum over pairs, so each
+        process scores only its local images against every process's texts and scales that by the world size: the
+        mean of the processes' losses is the single-process loss of the global batch, and so are the gradients after
+        DDP's averaging (the all-gather sums the text gradients back to their process)."""
+        image_embeds = nn.functional.normalize(image_features, dim=-1)
+        text_embeds = nn.functional.normalize(text_features, dim=-1)
+        logits_per_text = self.logits(image_embeds, text_embeds).t()
+
+        all_image_embeds = all_gather_with_grad(image_embeds)
+        all_text_embeds = all_gather_with_grad(text_embeds)
+        global_logits = self.logits(all_image_embeds, all_text_embeds)
+        mask = None
+        if text_hash is not None:
+            all_text_hash = all_gather_no_grad(text_hash)
+            all_image_hash = all_gather_no_grad(image_hash) if image_hash is not None else None
+            mask = positive_mask(all_text_hash, all_image_hash)
+
+        loss = None
+        if return_loss and self.loss_kind == "sigmoid":
+            total, local_rows = global_logits.shape[0], image_embeds.shape[0]
+            positives = mask if mask is not None else torch.eye(total, dtype=torch.bool, device=global_logits.device)
+            start = rank() * local_rows if world_size() > 1 else 0
+            local = self.logits(image_embeds, all_text_embeds)
+            loss = world_size() * sigmoid_contrastive_loss(
+                local, positives[start:start + local_rows], num_rows=total)
+        elif return_loss:
+            loss = self.contrastive_loss(global_logits, mask)
+        return ContinualDualEncoderOutput(
+            loss=loss,
+            logits_per_image=logits_per_text.t(),
+            logits_per_text=logits_per_text,
+            text_embeds=text_embeds,
+            image_embeds=image_embeds,
+            image_features=image_features,
+            text_features=text_features,
+            all_image_embeds=all_image_embeds,
+            all_text_embeds=all_text_embeds,
+            global_logits_per_image=global_logits,
+            global_positive_mask=mask,
+        )
+
+    # ----- saving ------------------------------------------------------------------------------------------
+    def plain_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights of the plain model this one stands for: no `text_prompt`, the learner heads folded in."""
+        state = {name: tensor for name, tensor in self.state_dict().items()  # type: ignore[attr-defined]
+                 if not name.startswith(("text_prompt.", "learner_heads."))}
+        if self.learner_heads is not None:
+            names = self.projection_names["image"], self.projection_names["text"]
+            if None in names:
+                raise self.family_error("folding learner heads into the projections")
+            visual, text = self.learner_heads.folded_projections(  # type: ignore[operator]
+                _module_at(self, names[0]).weight.detach(), _module_at(self, names[1]).weight.detach())  # type: ignore[arg-type, union-attr]
+            state[f"{names[0]}.weight"], state[f"{names[1]}.weight"] = visual, text
+        return state
+
+    def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
+        """Save as a plain checkpoint of the family: `architectures` names the transformers class, so any
+        transformers loads it.
+
+        A `text_prompt` is never saved with the weights (an explicit `state_dict` argument is written as given): it
+        belongs to the method's state, which also carries it in the Trainer's mid-task checkpoints. Neither are
+        `learner_heads`: their image and text heads are folded into the projections."""
+        if kwargs.get("state_dict") is None and (self.text_prompt is not None or self.learner_heads is not None):
+            kwargs["state_dict"] = self.plain_state_dict()
+        super().save_pretrained(save_directory, *args, **kwargs)  # type: ignore[misc]
+        config_path = os.path.join(save_directory, "config.json")
+        if os.path.exists(config_path):
+            with open(config_path, encoding="utf-8") as handle:
+                config = json.load(handle)
+            config["architectures"] = [self.plain_architecture]
+            with open(config_path, "w", encoding="utf-8") as handle:
+                json.dump(config, handle, indent=2, sort_keys=True)
+                handle.write("\n")
+
+
+class ContinualCLIPModel(ContinualDualEncoder, CLIPModel):
+    """CLIP (and the families built like it) with a global-batch contrastive loss and a growable vocabulary.
+    CLIP pools the text at its EOS token, so `align_special_tokens` sets the tower's ids to the tokenizer's."""
+
+    family = "clip"
+    plain_architecture = "CLIPModel"
+
+    def __init__(self, config: CLIPConfig):
+        super().__init__(config)
+        self._init_continual()
+        if config.text_config.eos_token_id == LEGACY_EOS_TOKEN_ID and config.text_config.vocab_size > 3:
+            logger.warning(
+                "text_config.eos_token_id is the legacy value 2: CLIP then pools at input_ids.argmax(), which is "
+                "wrong once tokens are added. Call model.align_special_tokens(tokenizer)."
+            )
+
+    def align_special_tokens(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        """Set the text tower's BOS/EOS/PAD ids to the tokenizer's, so pooling finds the real EOS token.
+
+        `CLIPTextModel` pools at the first `eos_token_id` in each row (or at `argmax(input_ids)` when the id is the
+        legacy 2); with the tokenizer's real EOS id this is right whatever the vocabulary size.
+        """
+        set_eos_token_ids(self, tokenizer)
+        super().align_special_tokens(tokenizer)
 
     def get_text_features(  # type: ignore[override]
         self,
@@ -178,122 +443,3 @@ class ContinualCLIPModel(CLIPModel):
         outputs = self.text_prompt(self.text_model, input_ids, attention_mask)
         outputs.pooler_output = self.text_projection(outputs.pooler_output)
         return outputs
-
-    def embed_texts(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, normalize: bool = True
-    ) -> torch.Tensor:
-        """Projected text embeddings [B, projection_dim]."""
-        embeds = as_embedding(self.get_text_features(input_ids=input_ids, attention_mask=attention_mask))
-        return nn.functional.normalize(embeds, dim=-1) if normalize else embeds
-
-    # ----- forward -----------------------------------------------------------------------------------------
-    def forward(  # type: ignore[override]
-        self,
-        input_ids: torch.LongTensor | None = None,
-        pixel_values: torch.FloatTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        return_loss: bool | None = None,
-        text_hash: torch.Tensor | None = None,
-        image_hash: torch.Tensor | None = None,
-        features_only: bool = False,
-        features_a: torch.Tensor | None = None,
-        features_b: torch.Tensor | None = None,
-        modality_a: str | None = None,
-        modality_b: str | None = None,
-        **kwargs: Any,
-    ) -> ContinualCLIPOutput | PairOutput:
-        """Like `CLIPModel.forward`, but the loss runs over the global batch and honours a positive mask.
-
-        `text_hash` / `image_hash` (int64 per example, from `CLIPCollator`) mark duplicate texts and images: the
-        pairs that share either are positives of each other (DESIGN.md, "Positives in a batch").
-        `features_only=True` stops after the towers: the output holds only `image_features` and `text_features`
-        (what `ContinualTrainer`'s exact gradient accumulation encodes chunk by chunk; `contrastive_outputs` does
-        the rest over the whole accumulated batch).
-
-        A pair batch (`features_a`, `features_b` and their modality names, from `PairFeatureCollator`) runs through
-        `learner_heads` instead and returns its `PairOutput` (the pair loss of Eq. 2, CMCL).
-        """
-        kwargs.pop("num_items_in_batch", None)
-        if features_a is not None or features_b is not None:
-            if self.learner_heads is None:
-                raise ValueError("a pair batch (features_a/features_b) needs learner heads: add the learner_heads "
-                                 "method")
-            if features_a is None or features_b is None or modality_a is None or modality_b is None:
-                raise ValueError("a pair batch needs features_a, features_b, modality_a and modality_b")
-            return self.learner_heads(modality_a, modality_b, features_a, features_b, return_loss=bool(return_loss))
-        image_features = as_embedding(self.get_image_features(pixel_values=pixel_values))
-        text_features = as_embedding(
-            self.get_text_features(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-        )
-        if features_only:
-            return ContinualCLIPOutput(image_features=image_features, text_features=text_features)
-        return self.contrastive_outputs(image_features, text_features, text_hash, image_hash, return_loss=return_loss)
-
-    def contrastive_outputs(
-        self,
-        image_features: torch.Tensor,
-        text_features: torch.Tensor,
-        text_hash: torch.Tensor | None = None,
-        image_hash: torch.Tensor | None = None,
-        return_loss: bool | None = None,
-    ) -> ContinualCLIPOutput:
-        """Everything after the towers, from this process's projected features: normalisation, the global batch
-        (differentiable all-gather), the logits, the positive mask and (with `return_loss`) the contrastive loss."""
-        image_embeds = nn.functional.normalize(image_features, dim=-1)
-        text_embeds = nn.functional.normalize(text_features, dim=-1)
-        scale = self.logit_scale.exp()
-        logits_per_text = scale * text_embeds @ image_embeds.t()
-
-        all_image_embeds = all_gather_with_grad(image_embeds)
-        all_text_embeds = all_gather_with_grad(text_embeds)
-        global_logits = scale * all_image_embeds @ all_text_embeds.t()
-        mask = None
-        if text_hash is not None:
-            all_text_hash = all_gather_no_grad(text_hash)
-            all_image_hash = all_gather_no_grad(image_hash) if image_hash is not None else None
-            mask = positive_mask(all_text_hash, all_image_hash)
-
-        loss = clip_contrastive_loss(global_logits, mask) if return_loss else None
-        return ContinualCLIPOutput(
-            loss=loss,
-            logits_per_image=logits_per_text.t(),
-            logits_per_text=logits_per_text,
-            text_embeds=text_embeds,
-            image_embeds=image_embeds,
-            image_features=image_features,
-            text_features=text_features,
-            all_image_embeds=all_image_embeds,
-            all_text_embeds=all_text_embeds,
-            global_logits_per_image=global_logits,
-            global_positive_mask=mask,
-        )
-
-    # ----- saving ------------------------------------------------------------------------------------------
-    def plain_state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights of the plain CLIP this model stands for: no `text_prompt`, the learner heads folded in."""
-        state = {name: tensor for name, tensor in self.state_dict().items()
-                 if not name.startswith(("text_prompt.", "learner_heads."))}
-        if self.learner_heads is not None:
-            visual, text = self.learner_heads.folded_projections(
-                self.visual_projection.weight.detach(), self.text_projection.weight.detach())
-            state["visual_projection.weight"], state["text_projection.weight"] = visual, text
-        return state
-
-    def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
-        """Save as a plain CLIP checkpoint: `architectures` says `CLIPModel`, so any transformers loads it.
-
-        A `text_prompt` is never saved with the weights (an explicit `state_dict` argument is written as given): it
-        belongs to the method's state, which also carries it in the Trainer's mid-task checkpoints. Neither are
-        `learner_heads`: their image and text heads are folded into `visual_projection` and `text_projection`."""
-        if kwargs.get("state_dict") is None and (self.text_prompt is not None or self.learner_heads is not None):
-            kwargs["state_dict"] = self.plain_state_dict()
-        super().save_pretrained(save_directory, *args, **kwargs)
-        config_path = os.path.join(save_directory, "config.json")
-        if os.path.exists(config_path):
-            with open(config_path, encoding="utf-8") as handle:
-                config = json.load(handle)
-            config["architectures"] = ["CLIPModel"]
-            with open(config_path, "w", encoding="utf-8") as handle:
-                json.dump(config, handle, indent=2, sort_keys=True)
-                handle.write("\n")

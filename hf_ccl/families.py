@@ -1,0 +1,225 @@
+"""The dual-encoder families hf_ccl trains: one small `ContinualDualEncoder` subclass per transformers class.
+
+| family | class | loss | text pooling and padding | projections |
+|---|---|---|---|---|
+| clip | `ContinualCLIPModel` (`CLIPModel`) | softmax | EOS token, longest | visual_projection, text_projection |
+| metaclip_2 | `ContinualMetaClip2Model` (`MetaClip2Model`) | softmax | EOS token, longest | visual_projection, text_projection |
+| siglip | `ContinualSiglipModel` (`SiglipModel`) | sigmoid, learned bias | last position, max_length, no mask | text_model.head (image: none) |
+| altclip | `ContinualAltCLIPModel` (`AltCLIPModel`) | softmax | first token (XLM-R), longest | visual_projection, text_projection |
+| chinese_clip | `ContinualChineseCLIPModel` (`ChineseCLIPModel`) | softmax | first token (BERT), longest | visual_projection, text_projection |
+
+Each keeps its parent's `from_pretrained` / `save_pretrained`: a saved checkpoint names the plain class in
+`architectures` and loads with it (or `AutoModel`) in a Python without hf_ccl. `family_of` finds the family from a
+config (`model_type`), `load_continual_model` loads any checkpoint into its family's class, and `tiny_config` gives the
+small random configs the tests and the default run use. SigLIP 2 (NaFlex inputs: `pixel_attention_mask`,
+`spatial_shapes`) is not supported yet: `family_of` refuses it by name.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import (
+    AltCLIPConfig,
+    AltCLIPModel,
+    AutoConfig,
+    ChineseCLIPConfig,
+    ChineseCLIPModel,
+    MetaClip2Config,
+    MetaClip2Model,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+    SiglipConfig,
+    SiglipModel,
+)
+
+from .modeling import ContinualCLIPModel, ContinualDualEncoder, set_eos_token_ids, tiny_clip_config
+
+#: Why methods that reach into CLIP's text tower are refused on the other families.
+_PROMPT_REASON = "the learned text prompt is written for CLIP's causal text tower (CLIPTextTransformer internals)"
+
+
+class ContinualMetaClip2Model(ContinualDualEncoder, MetaClip2Model):
+    """MetaCLIP 2: CLIP's architecture with a multilingual tokenizer (XLM-V); the text pools at its EOS token."""
+
+    family = "metaclip_2"
+    plain_architecture = "MetaClip2Model"
+    unsupported_methods = {"prompt": _PROMPT_REASON}
+
+    def __init__(self, config: MetaClip2Config):
+        super().__init__(config)
+        self._init_continual()
+
+    def align_special_tokens(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        set_eos_token_ids(self, tokenizer)
+        super().align_special_tokens(tokenizer)
+
+
+class ContinualSiglipModel(ContinualDualEncoder, SiglipModel):
+    """SigLIP: the pairwise sigmoid loss with a learned logit bias; the text pools at the last position, so texts are
+    padded to the full length and given no attention mask (how the checkpoints were trained); the image embedding is
+    the attention-pooling head's output (no linear projection to fold learner heads into or to project for DNS).
+
+    A randomly initialised model starts from the paper's t' = log 10, b = -10 (Zhai et al. 2023, Sec. 3.2; transformers
+    initialises both at 0); `from_pretrained` loads the checkpoint's values over them.
+
+    The softmax-based method terms keep their meaning on this family: Mod-X and LwF distil the row-wise softmax of
+    the model's similarities, which a shared bias does not change (softmax is shift-invariant), so they distil the
+    same cosine structure as on CLIP; CTP's compatible and topology losses are its own InfoNCE with its own
+    temperature, added to the sigmoid task loss; the replay and regularisation losses (DER++, EWC's Fisher, GEM's
+    gradients) use this family's sigmoid loss.
+    """
+
+    family = "siglip"
+    plain_architecture = "SiglipModel"
+    loss_kind = "sigmoid"
+    max_logit_scale = None
+    projection_names = {"image": None, "text": "text_model.head"}
+    tower_prefixes = {"image": ("vision_model.",), "text": ("text_model.",)}
+    text_padding = "max_length"
+    text_attention_mask = False
+    unsupported_methods = {
+        "prompt": _PROMPT_REASON,
+        "learner_heads": "SigLIP's image embedding has no linear projection to fold an image head into",
+        "dns": "DNS projects the gradients of the two projections, and SigLIP has no image projection",
+    }
+
+    def __init__(self, config: SiglipConfig):
+        super().__init__(config)
+        self._init_continual()
+        with torch.no_grad():
+            self.logit_scale.fill_(math.log(10.0))
+            self.logit_bias.fill_(-10.0)
+
+    @property
+    def embed_dim(self) -> int:
+        return int(self.config.text_config.projection_size)
+
+
+class _FirstTokenTextFamily(ContinualDualEncoder):
+    """Families whose text tower is a BERT-style encoder pooled at its first token (AltCLIP, Chinese-CLIP)."""
+
+    unsupported_methods = {"prompt": _PROMPT_REASON}
+
+    @property
+    def max_text_positions(self) -> int:
+        """RoBERTa-style position ids start after the padding id, so fewer tokens fit than there are positions."""
+        text = self.config.text_config
+        offset = text.pad_token_id + 1 if getattr(text, "position_embedding_type", "absolute") == "absolute" \
+            and self.position_offset else 0
+        return int(text.max_position_embeddings) - offset
+
+    position_offset = False
+
+
+class ContinualAltCLIPModel(_FirstTokenTextFamily, AltCLIPModel):
+    """AltCLIP: CLIP's vision tower with an XLM-R text tower (multilingual), pooled at the first token."""
+
+    family = "altclip"
+    plain_architecture = "AltCLIPModel"
+    token_embedding_path = "text_model.roberta.embeddings.word_embeddings"
+    position_offset = True
+
+    def __init__(self, config: AltCLIPConfig):
+        super().__init__(config)
+        self._init_continual()
+
+
+class ContinualChineseCLIPModel(_FirstTokenTextFamily, ChineseCLIPModel):
+    """Chinese-CLIP: CLIP's vision tower with a Chinese RoBERTa (BERT layout) text tower, pooled at the first token."""
+
+    family = "chinese_clip"
+    plain_architecture = "ChineseCLIPModel"
+    token_embedding_path = "text_model.embeddings.word_embeddings"
+
+    def __init__(self, config: ChineseCLIPConfig):
+        super().__init__(config)
+        self._init_continual()
+
+
+#: Every supported family by name (its `model_type`).
+FAMILIES: dict[str, type[ContinualDualEncoder]] = {
+    cls.family: cls
+    for cls in (ContinualCLIPModel, ContinualSiglipModel, ContinualAltCLIPModel, ContinualChineseCLIPModel,
+                ContinualMetaClip2Model)
+}
+#: Families transformers has that hf_ccl refuses, with the reason.
+UNSUPPORTED_FAMILIES = {
+    "siglip2": "SigLIP 2's NaFlex vision inputs (pixel_attention_mask, spatial_shapes) are not produced by hf_ccl's "
+               "collator yet; use a SigLIP checkpoint",
+}
+
+
+def family_of(config: PretrainedConfig | dict[str, Any] | str) -> str:
+    """The family of a config (its `model_type`), a config dict, or a family name; an error names the supported ones."""
+    model_type = config if isinstance(config, str) else (
+        config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None))
+    if model_type in FAMILIES:
+        return str(model_type)
+    if model_type in UNSUPPORTED_FAMILIES:
+        raise ValueError(f"model family {model_type!r} is not supported: {UNSUPPORTED_FAMILIES[model_type]}")
+    raise ValueError(f"model family {model_type!r} is not supported; supported: {', '.join(FAMILIES)}")
+
+
+def family_class(family: str) -> type[ContinualDualEncoder]:
+    return FAMILIES[family_of(family)]
+
+
+def load_continual_model(name_or_path: str, family: str | None = None, **kwargs: Any) -> ContinualDualEncoder:
+    """Load any supported checkpoint (Hub id or folder) into its family's continual class; `family` (if given) must
+    match the checkpoint's `model_type`."""
+    config = AutoConfig.from_pretrained(name_or_path, **kwargs)
+    found = family_of(config)
+    if family is not None and family_of(family) != found:
+        raise ValueError(f"model.family is {family!r} but {name_or_path} is a {found!r} checkpoint")
+    return FAMILIES[found].from_pretrained(name_or_path, **kwargs)  # type: ignore[attr-defined, no-any-return]
+
+
+def tiny_config(
+    family: str = "clip",
+    vocab_size: int = 49408,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    image_size: int = 32,
+    patch_size: int = 8,
+    projection_dim: int = 64,
+    max_position_embeddings: int = 77,
+    bos_token_id: int = 49406,
+    eos_token_id: int = 49407,
+    pad_token_id: int = 49407,
+) -> PretrainedConfig:
+    """A small randomly initialisable config of `family` with the given sizes and the bundled CLIP tokenizer's
+    vocabulary and special-token ids (no other family's tokenizer is available offline; ENVIRONMENT.md).
+
+    SigLIP's embedding size is its hidden size (no projection): `projection_dim` must equal `hidden_size` there.
+    """
+    family = family_of(family)
+    if family == "clip":
+        return tiny_clip_config(vocab_size, hidden_size, num_layers, num_heads, image_size, patch_size, projection_dim,
+                                max_position_embeddings, bos_token_id, eos_token_id, pad_token_id)
+    layers = {"hidden_size": hidden_size, "intermediate_size": 4 * hidden_size, "num_hidden_layers": num_layers,
+              "num_attention_heads": num_heads}
+    vision = {**layers, "image_size": image_size, "patch_size": patch_size}
+    special = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
+    text = {**layers, **special, "vocab_size": vocab_size, "max_position_embeddings": max_position_embeddings}
+    if family == "metaclip_2":
+        return MetaClip2Config(text_config=text, vision_config=vision, projection_dim=projection_dim)
+    if family == "siglip":
+        if projection_dim != hidden_size:
+            raise ValueError(f"a SigLIP embeds into its hidden size: projection_dim ({projection_dim}) must equal "
+                             f"hidden_size ({hidden_size})")
+        return SiglipConfig(text_config=text, vision_config=vision)
+    if family == "altclip":
+        # RoBERTa numbers positions from its padding id + 1 (XLM-R's pad is 1), so the position table needs 2 more
+        # rows; token 1 is then the padding row of the word embedding (zero, untrained) in this test config.
+        text = {**text, "project_dim": hidden_size, "pad_token_id": 1, "max_position_embeddings": max_position_embeddings + 2}
+        return AltCLIPConfig(text_config=text, vision_config=vision, projection_dim=projection_dim)
+    return ChineseCLIPConfig(text_config=text, vision_config=vision, projection_dim=projection_dim)
+
+
+def is_dual_encoder(model: nn.Module) -> bool:
+    return isinstance(model, ContinualDualEncoder)
