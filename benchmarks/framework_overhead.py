@@ -1,12 +1,15 @@
 """Framework overhead: time per training step of hf_ccl `finetune` (ContinualTrainer) vs a plain PyTorch loop.
 
-Same model (same init), same data (the first task of the `digits` stream), same collator, batch size, optimizer
-(fused AdamW with the Trainer's weight-decay groups), gradient clipping and cosine schedule; both time the whole step including data loading. The two run alternately in rounds within one
-process so that machine load affects both alike; the table reports the median step time of each and their ratio.
+Same weights, same data (the first task of the `digits` stream), same collator, batch size, optimizer (fused AdamW
+with the Trainer's weight-decay groups), gradient clipping and cosine schedule; both time the whole step including
+data loading. The plain loop trains the family's plain transformers class (`CLIPModel`, `SiglipModel`, ...) with its
+own `return_loss=True` loss; hf_ccl trains the family's continual subclass (`hf_ccl.families`). The two run
+alternately in rounds within one process so that machine load affects both alike; the table reports the median step
+time of each and their ratio.
 
-    python benchmarks/framework_overhead.py [--steps 60] [--rounds 3] [--sizes tiny,default]
+    python benchmarks/framework_overhead.py [--steps 60] [--rounds 3] [--sizes tiny,default] [--families clip,siglip]
 
-Writes benchmarks/results/framework_overhead.md.
+Writes benchmarks/results/framework_overhead.md (`--output` to change).
 """
 
 from __future__ import annotations
@@ -19,11 +22,18 @@ from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader
-from transformers import Trainer, TrainerCallback, TrainingArguments, get_cosine_schedule_with_warmup
+from transformers import (
+    AutoModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+    get_cosine_schedule_with_warmup,
+)
 
-from hf_ccl.data import CLIPCollator, build_stream, load_image_processor, load_tokenizer
+from hf_ccl.data import CLIPCollator, build_stream, load_tokenizer
+from hf_ccl.families import default_image_processor, family_class, tiny_config
 from hf_ccl.methods import build_methods
-from hf_ccl.modeling import ContinualCLIPModel, tiny_clip_config
+from hf_ccl.modeling import ContinualDualEncoder
 from hf_ccl.trainer import ContinualTrainer
 
 SIZES = {
@@ -46,19 +56,33 @@ class StepTimer(TrainerCallback):
         self.stamps.append(time.perf_counter())
 
 
-def _model(size: str) -> ContinualCLIPModel:
+def _model(size: str, family: str = "clip") -> ContinualDualEncoder:
     torch.manual_seed(0)
-    return ContinualCLIPModel(tiny_clip_config(**SIZES[size]))
+    return family_class(family)(tiny_config(family, **SIZES[size]))  # type: ignore[call-arg]
+
+
+def _plain_model(size: str, family: str, tokenizer) -> torch.nn.Module:  # noqa: ANN001
+    """The family's plain transformers class holding the continual model's initial weights."""
+    ours = _model(size, family)
+    ours.align_special_tokens(tokenizer)
+    plain = AutoModel.from_config(ours.config)
+    plain.load_state_dict(ours.plain_state_dict())
+    return plain
+
+
+#: The collator's columns the plain classes take.
+PLAIN_INPUTS = ("input_ids", "attention_mask", "pixel_values")
 
 
 def _step_times(stamps: list[float]) -> list[float]:
     return [b - a for a, b in zip(stamps[WARMUP:-1], stamps[WARMUP + 1 :], strict=True)]
 
 
-def time_plain_loop(size: str, dataset, collator, tokenizer, steps: int) -> list[float]:
-    """A plain PyTorch loop: DataLoader, forward with the CLIP loss, backward, clip, AdamW, cosine schedule."""
-    model = _model(size)
-    model.align_special_tokens(tokenizer)
+def time_plain_loop(size: str, dataset, collator, tokenizer, steps: int, family: str = "clip") -> list[float]:
+    """A plain PyTorch loop: DataLoader, the plain class's forward with its own loss, backward, clip, AdamW, cosine
+    schedule."""
+    model = _plain_model(size, family, tokenizer)
+    inputs = [name for name in PLAIN_INPUTS if name != "attention_mask" or family_class(family).text_attention_mask]
     model.train()
     loader = DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=True, collate_fn=collator, drop_last=False)
     # The Trainer's own defaults: fused AdamW, no weight decay on biases and norms.
@@ -72,7 +96,7 @@ def time_plain_loop(size: str, dataset, collator, tokenizer, steps: int) -> list
     stamps: list[float] = []
     while len(stamps) < steps:
         for batch in loader:
-            loss = model(**batch, return_loss=True).loss
+            loss = model(**{name: batch[name] for name in inputs}, return_loss=True).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
@@ -84,9 +108,9 @@ def time_plain_loop(size: str, dataset, collator, tokenizer, steps: int) -> list
     return _step_times(stamps)
 
 
-def time_hf_ccl(size: str, dataset, collator, tokenizer, steps: int, output_dir: str) -> list[float]:
+def time_hf_ccl(size: str, dataset, collator, tokenizer, steps: int, output_dir: str, family: str = "clip") -> list[float]:
     """hf_ccl's ContinualTrainer with the `finetune` method, as the per-task loop configures it."""
-    model = _model(size)
+    model = _model(size, family)
     model.align_special_tokens(tokenizer)
     timer = StepTimer()
     args = TrainingArguments(
@@ -107,6 +131,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sizes", default="tiny,default,medium")
+    parser.add_argument("--families", default="clip", help="Comma-separated families (hf_ccl.families.FAMILIES).")
     parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "framework_overhead.md"))
     args = parser.parse_args()
 
@@ -115,35 +140,40 @@ def main() -> None:
     dataset = stream[0].train
     tokenizer = load_tokenizer()
     rows = []
-    for size in args.sizes.split(","):
-        collator = CLIPCollator(load_image_processor(SIZES[size]["image_size"]), tokenizer, train=True, seed=0)
-        plain: list[float] = []
-        ours: list[float] = []
-        for _ in range(args.rounds):
-            plain += time_plain_loop(size, dataset, collator, tokenizer, args.steps)
-            ours += time_hf_ccl(size, dataset, collator, tokenizer, args.steps, "/tmp/hf_ccl_bench")
-        plain_median, ours_median = statistics.median(plain), statistics.median(ours)
-        rows.append((size, plain_median, ours_median, ours_median / plain_median, len(plain), len(ours)))
-        print(f"{size}: plain {plain_median * 1e3:.1f} ms/step, hf_ccl {ours_median * 1e3:.1f} ms/step, "
-              f"ratio {ours_median / plain_median:.3f}")
+    for family in args.families.split(","):
+        for size in args.sizes.split(","):
+            model = _model(size, family)
+            collator = CLIPCollator(default_image_processor(model), tokenizer, train=True, seed=0,
+                                    padding=model.text_padding, max_length=min(77, model.max_text_positions))
+            plain: list[float] = []
+            ours: list[float] = []
+            for _ in range(args.rounds):
+                plain += time_plain_loop(size, dataset, collator, tokenizer, args.steps, family)
+                ours += time_hf_ccl(size, dataset, collator, tokenizer, args.steps, "/tmp/hf_ccl_bench", family)
+            plain_median, ours_median = statistics.median(plain), statistics.median(ours)
+            rows.append((family, size, plain_median, ours_median, ours_median / plain_median, len(plain), len(ours)))
+            print(f"{family} {size}: plain {plain_median * 1e3:.1f} ms/step, hf_ccl {ours_median * 1e3:.1f} ms/step, "
+                  f"ratio {ours_median / plain_median:.3f}")
 
     lines = [
         "# Framework overhead: hf_ccl `finetune` vs a plain PyTorch loop",
         "",
         f"Command: `python benchmarks/framework_overhead.py --steps {args.steps} --rounds {args.rounds} "
-        f"--sizes {args.sizes}`  ",
+        f"--sizes {args.sizes} --families {args.families}`  ",
         f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}.  ",
         f"Data: first task of `digits` ({len(dataset)} examples), batch {BATCH_SIZE}, AdamW lr {LEARNING_RATE}, "
         f"both loops time whole steps (data loading included); first {WARMUP} steps of each run dropped; "
         f"runs alternate plain / hf_ccl in {args.rounds} rounds in one process. Goal: ratio at most 1.10.",
         "",
-        "| model | params | plain loop (ms/step, median) | hf_ccl finetune (ms/step, median) | ratio | steps timed (plain / hf_ccl) |",
-        "|---|---|---|---|---|---|",
+        "| family | model | params | plain loop (ms/step, median) | hf_ccl finetune (ms/step, median) | ratio | "
+        "steps timed (plain / hf_ccl) |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for size, plain_median, ours_median, ratio, n_plain, n_ours in rows:
-        params = sum(p.numel() for p in _model(size).parameters()) / 1e6
+    for family, size, plain_median, ours_median, ratio, n_plain, n_ours in rows:
+        params = sum(p.numel() for p in _model(size, family).parameters()) / 1e6
         lines.append(
-            f"| {size} ({SIZES[size]['hidden_size']} wide, {SIZES[size]['num_layers']} layers) | {params:.2f} M | "
+            f"| {family} (`{family_class(family).plain_architecture}`) | {size} ({SIZES[size]['hidden_size']} wide, "
+            f"{SIZES[size]['num_layers']} layers) | {params:.2f} M | "
             f"{plain_median * 1e3:.1f} | {ours_median * 1e3:.1f} | {ratio:.3f} | {n_plain} / {n_ours} |"
         )
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)

@@ -150,6 +150,13 @@ def _parameter_count(path: Path) -> int | None:
     return sum(math.prod(entry["shape"]) for name, entry in header.items() if name != "__metadata__")
 
 
+def _architecture(folder: Path) -> str:
+    """The plain transformers class the checkpoint names (`CLIPModel`, `SiglipModel`, ...)."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    return str((config.get("architectures") or ["CLIPModel"])[0])
+
+
 def _model_sizes(folder: Path) -> list[tuple[str, str]]:
     """A few rows describing the architecture, from config.json (empty if it is missing)."""
     path = folder / "config.json"
@@ -167,7 +174,8 @@ def _model_sizes(folder: Path) -> list[tuple[str, str]]:
         ("text encoder", f"{encoder(text)}, {text.get('max_position_embeddings', '?')} tokens of context"),
         ("vision encoder", f"{encoder(vision)}, {vision.get('image_size', '?')} px images, "
                            f"{vision.get('patch_size', '?')} px patches"),
-        ("embedding dimension", str(config.get("projection_dim", "?"))),
+        ("embedding dimension", str(config.get("projection_dim") or text.get("projection_size")
+                                    or text.get("hidden_size", "?"))),
         ("vocabulary", f"{text['vocab_size']:,} tokens" if "vocab_size" in text else "?"),
     ]
     count = _parameter_count(folder / "model.safetensors")
@@ -412,6 +420,7 @@ def build_model_card(
         "task_name": _cell(state.get("task_name") or task_names[task_index]),
         "base_model": _base_model_line(base_model),
         "model_sizes": _model_sizes(folder),
+        "architecture": _architecture(folder),
         "tasks": [
             {
                 "number": i + 1,

@@ -330,11 +330,12 @@ def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
         raise ValueError(f"Checkpoint {folder} has no model.safetensors (incomplete download or copy?)")
     state = _load_safetensors(weights)
     embedding = model.get_input_embeddings().weight
-    saved_rows = next((t.shape[0] for k, t in state.items() if k.endswith("token_embedding.weight")), None)
+    token_key = f"{getattr(model, 'token_embedding_path', 'text_model.embeddings.token_embedding')}.weight"
+    saved_rows = state[token_key].shape[0] if token_key in state else None
     if saved_rows is not None and saved_rows != embedding.shape[0]:
         model.resize_token_embeddings(saved_rows)
     saved_positions = state.get("text_model.embeddings.position_embedding.weight")
-    if saved_positions is not None and saved_positions.shape[0] > model.config.text_config.max_position_embeddings:
+    if saved_positions is not None and saved_positions.shape[0] > model.max_text_positions:
         resize_position_embeddings(model, saved_positions.shape[0])  # a context grown by `grow_vocab`
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("position_ids")]

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from .continual import ContinualArguments
-from .modeling import tiny_clip_config
+from .families import FAMILIES, family_of, tiny_config
 from .validation import (
     ConfigError,
     check_dataclass,
@@ -94,7 +94,8 @@ class RunConfig:
     method_args: dict[str, dict[str, Any]] = field(default_factory=dict, metadata={"help": "{method: {option: value}}."})
     model: dict[str, Any] = field(
         default_factory=lambda: {"pretrained": None, "config": {}},
-        metadata={"help": "pretrained: checkpoint path or Hub id; else config: tiny_clip_config() options."},
+        metadata={"help": "pretrained: checkpoint path or Hub id; else config: tiny_config() options of a random model; "
+                          f"family: one of {', '.join(FAMILIES)} (default: the checkpoint's, or clip)."},
     )
     tokenizer: str | None = field(
         default=None, metadata={"help": "Tokenizer name or path; default the checkpoint's, else the real CLIP BPE."}
@@ -114,12 +115,18 @@ class RunConfig:
             self.method_args = {name: options or {} for name, options in self.method_args.items()}
         check_dataclass(self)
         known_keys(self.model, MODEL_KEYS, "model option(s)")
-        self.model = {"pretrained": None, "config": {}, **self.model}
+        self.model = {"pretrained": None, "config": {}, "family": None, **self.model}
         check_value("model.pretrained", self.model["pretrained"], str | None)
+        family = check_value("model.family", self.model["family"], str | None)
+        if family is not None:
+            try:
+                family_of(family)
+            except ValueError as error:
+                raise ConfigError(f"model.family: {error}", "model.family") from None
         model_config = check_value("model.config", self.model["config"], dict[str, Any] | None) or {}
-        known_keys(model_config, inspect.signature(tiny_clip_config).parameters, "model.config option(s)")
-        self.model["config"] = check_mapping(model_config, type_hints(tiny_clip_config), "model.config.")
-        check_model_config(self.model["config"])
+        known_keys(model_config, TINY_CONFIG_KEYS, "model.config option(s)")
+        self.model["config"] = check_mapping(model_config, type_hints(tiny_config), "model.config.")
+        check_model_config(self.model["config"], family or "clip")
         if self.model["pretrained"] is not None and self.model["config"]:
             raise ConfigError("model.config describes a random model and has no effect with model.pretrained: "
                               "remove one of them (override model.config={} to keep the checkpoint)")
@@ -136,7 +143,9 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-MODEL_KEYS = ("pretrained", "config")
+MODEL_KEYS = ("pretrained", "config", "family")
+#: The options of a random model (`model.config`): `tiny_config`'s, its family given by `model.family`.
+TINY_CONFIG_KEYS = [name for name in inspect.signature(tiny_config).parameters if name != "family"]
 
 
 def continual_fields() -> list[str]:
@@ -144,8 +153,8 @@ def continual_fields() -> list[str]:
     return [item.name for item in dataclasses.fields(ContinualArguments) if item.init]
 
 
-def check_model_config(values: dict[str, Any]) -> None:
-    """Ranges of `tiny_clip_config` options (those given)."""
+def check_model_config(values: dict[str, Any], family: str = "clip") -> None:
+    """Ranges of `tiny_config` options (those given), and what the family needs of them."""
     for key, value in values.items():
         if not key.endswith("_token_id"):
             check_range(f"model.config.{key}", value, 1)
@@ -155,6 +164,10 @@ def check_model_config(values: dict[str, Any]) -> None:
     image, patch = values.get("image_size", 32), values.get("patch_size", 8)
     if patch > image:
         raise ConfigError(f"model.config.patch_size ({patch}) must not exceed model.config.image_size ({image})")
+    projection = values.get("projection_dim", 64)
+    if family == "siglip" and projection != hidden:
+        raise ConfigError(f"model.config.projection_dim ({projection}) must equal model.config.hidden_size ({hidden}): "
+                          "a SigLIP embeds into its hidden size", "model.config.projection_dim")
 
 
 def config_fields() -> list[str]:

@@ -54,6 +54,7 @@ from .distributed import barrier, broadcast_object, is_main_process
 from .evaluation.matrix import ResultsMatrix
 from .evaluation.schedule import StreamEvaluator, evaluated_after
 from .evaluation.spatial_disorder import SpatialDisorderCallback
+from .families import check_family_methods
 from .hub import (
     HubPushCallback,
     PushReport,
@@ -353,6 +354,7 @@ class ContinualLearner:
     ):
         validate_stream(stream, args)
         check_methods(methods, args.samples_per_task)
+        check_family_methods(model, methods)
         check_pair_stream(stream, methods, args)
         check_image_cache(stream, image_processor, args.image_cache)
         for method in methods:
@@ -419,7 +421,7 @@ class ContinualLearner:
 
     @property
     def max_length(self) -> int:
-        limit = self.model.config.text_config.max_position_embeddings
+        limit = self.model.max_text_positions
         return min(self.args.max_length or limit, limit)
 
     # ----- the loop -----------------------------------------------------------------------------------------
@@ -671,11 +673,13 @@ class ContinualLearner:
                                  f"options {sorted(options)} cannot apply")
             collator = context.collator = PairFeatureCollator(context.task.modalities)
         else:
+            padding = self.model.text_padding
             collator = CLIPCollator(self.image_processor, self.tokenizer, max_length=self.max_length, train=True,
-                                    seed=context.seed, num_workers=training_args.dataloader_num_workers, **options)
+                                    seed=context.seed, num_workers=training_args.dataloader_num_workers,
+                                    padding=padding, **options)
             # What task-end hooks may need to run the model over the task's data (EWC's Fisher, MAS, DER).
             context.collator = CLIPCollator(self.image_processor, self.tokenizer, max_length=self.max_length,
-                                            train=False, seed=context.seed, **options)
+                                            train=False, seed=context.seed, padding=padding, **options)
         train_dataset = self._train_dataset(context, training_args)
         context.train_dataset = train_dataset
         context.per_device_batch_size = training_args.per_device_train_batch_size

@@ -33,9 +33,11 @@ from transformers import (
     PretrainedConfig,
     PreTrainedTokenizerBase,
     SiglipConfig,
+    SiglipImageProcessorPil,
     SiglipModel,
 )
 
+from .data.collate import load_image_processor
 from .modeling import ContinualCLIPModel, ContinualDualEncoder, set_eos_token_ids, tiny_clip_config
 
 #: Why methods that reach into CLIP's text tower are refused on the other families.
@@ -223,3 +225,24 @@ def tiny_config(
 
 def is_dual_encoder(model: nn.Module) -> bool:
     return isinstance(model, ContinualDualEncoder)
+
+
+def check_family_methods(family: str | ContinualDualEncoder | type[ContinualDualEncoder], methods: Any) -> None:
+    """Refuse, before training, the methods that cannot work on the family (each with its reason). `methods` are
+    method objects (their `name`) or names."""
+    cls = family if isinstance(family, type) else type(family) if isinstance(family, ContinualDualEncoder) \
+        else family_class(family)
+    names = [getattr(method, "name", method) for method in methods]
+    refused = [f"{name}: {cls.unsupported_methods[name]}" for name in names if name in cls.unsupported_methods]
+    if refused:
+        raise ValueError(f"method(s) not available for the {cls.family} family: " + "; ".join(refused))
+
+
+def default_image_processor(model: ContinualDualEncoder) -> Any:
+    """The family's image preprocessing at the model's image size (PIL backend): SigLIP resizes the whole image to a
+    square and scales to [-1, 1]; the CLIP-style families resize the short side, centre-crop and use CLIP's mean and
+    std."""
+    size = model.image_size
+    if model.family == "siglip":
+        return SiglipImageProcessorPil(size={"height": size, "width": size})
+    return load_image_processor(size)

@@ -54,7 +54,7 @@ class CLIPImageEncoder:
     def __init__(self, clip: CLIPModel, image_processor: Any, batch_size: int = 256, normalize: bool = True):
         self.clip, self.image_processor = clip, image_processor
         self.batch_size, self.normalize = batch_size, normalize
-        self.dim = int(clip.config.projection_dim)
+        self.dim = int(clip.embed_dim)
 
     def encode(self, values: Sequence[Any]) -> torch.Tensor:
         features = encode_images(self.clip, self.image_processor, values, batch_size=self.batch_size)
@@ -75,7 +75,7 @@ class CLIPTextEncoder:
     ):
         self.clip, self.tokenizer = clip, tokenizer
         self.batch_size, self.max_length, self.normalize = batch_size, max_length, normalize
-        self.dim = int(clip.config.projection_dim)
+        self.dim = int(clip.embed_dim)
 
     def encode(self, values: Sequence[Any]) -> torch.Tensor:
         texts = []
@@ -141,7 +141,7 @@ def pair_encoders(
     `precomputed_modalities`, else CLIP's frozen vision tower for the `image_modalities` and its text tower for the
     rest (one shared encoder per tower; each modality still gets its own head)."""
     given = dict(given or {})
-    dim = int(clip.config.projection_dim)
+    dim = int(clip.embed_dim)
     image, text = CLIPImageEncoder(clip, image_processor), CLIPTextEncoder(clip, tokenizer, max_length=max_length)
     encoders: dict[str, ModalityEncoder] = {}
     for modality in modalities:

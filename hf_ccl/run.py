@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,48 +11,69 @@ from typing import Any
 import torch
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
-from transformers import CLIPImageProcessorPil, PreTrainedTokenizerBase
+from transformers import AutoImageProcessor, PreTrainedTokenizerBase
 
 from .compute import compute_summary
 from .config import RunConfig, save_config
 from .continual import ContinualArguments, ContinualLearner
 from .data.builders import check_builder_options
-from .data.collate import load_image_processor, load_tokenizer
+from .data.collate import load_tokenizer
 from .data.named import NAMED_STREAMS, build_stream, check_stream_options
 from .data.spec import RUN_SUPPLIED, STREAM_BUILDERS, build_stream_from_spec, check_stream_spec
 from .data.task import TaskStream
 from .distributed import is_main_process
 from .evaluation.matrix import ResultsMatrix
+from .families import (
+    check_family_methods,
+    default_image_processor,
+    family_class,
+    load_continual_model,
+    tiny_config,
+)
 from .hub import PushFailedError
 from .methods import ContinualMethod, build_methods, check_methods
-from .modeling import ContinualCLIPModel, tiny_clip_config
+from .modeling import ContinualDualEncoder
 from .validation import ConfigError, check_mapping, type_hints
 
 logger = logging.getLogger(__name__)
 
 
-def load_model(config: RunConfig) -> ContinualCLIPModel:
-    """The checkpoint in `model.pretrained`, else a random CLIP from `model.config` (seeded)."""
-    pretrained = config.model.get("pretrained")
+def load_model(config: RunConfig) -> ContinualDualEncoder:
+    """The checkpoint in `model.pretrained` in its family's class (`model.family`, if given, must match it), else a
+    random model of `model.family` (default CLIP) from `model.config` (seeded)."""
+    pretrained, family = config.model.get("pretrained"), config.model.get("family")
     if pretrained:
-        return ContinualCLIPModel.from_pretrained(pretrained)
+        return load_continual_model(pretrained, family)
     torch.manual_seed(config.seed)
-    return ContinualCLIPModel(tiny_clip_config(**(config.model.get("config") or {})))
+    family = family or "clip"
+    return family_class(family)(tiny_config(family, **(config.model.get("config") or {})))  # type: ignore[call-arg]
+
+
+def config_family(config: RunConfig) -> str | None:
+    """The family the run's model will have, when it is known without downloading: `model.family`, a local
+    checkpoint's `model_type`, or CLIP for a random model; None for a Hub id without `model.family`."""
+    pretrained, family = config.model.get("pretrained"), config.model.get("family")
+    if family is not None or not pretrained:
+        return family or "clip"
+    path = Path(pretrained) / "config.json"
+    if path.is_file():
+        return str(json.loads(path.read_text(encoding="utf-8")).get("model_type"))
+    return None
 
 
 def _has_file(path: str | None, name: str) -> bool:
     return bool(path) and (Path(path) / name).is_file()
 
 
-def load_processors(config: RunConfig, model: ContinualCLIPModel) -> tuple[Any, PreTrainedTokenizerBase]:
-    """Image processor (PIL backend) and tokenizer: the config's, else the checkpoint's, else the defaults."""
+def load_processors(config: RunConfig, model: ContinualDualEncoder) -> tuple[Any, PreTrainedTokenizerBase]:
+    """Image processor (PIL backend) and tokenizer: the config's, else the checkpoint's, else the family's defaults."""
     pretrained = config.model.get("pretrained")
     tokenizer_source = config.tokenizer or (pretrained if _has_file(pretrained, "tokenizer_config.json") else None)
     tokenizer = load_tokenizer(tokenizer_source)
     if _has_file(pretrained, "preprocessor_config.json"):
-        image_processor = CLIPImageProcessorPil.from_pretrained(pretrained)
+        image_processor = AutoImageProcessor.from_pretrained(pretrained, backend="pil")
     else:
-        image_processor = load_image_processor(model.config.vision_config.image_size)
+        image_processor = default_image_processor(model)
     return image_processor, tokenizer
 
 
@@ -83,6 +105,12 @@ def check_config(config: RunConfig, check_paths: bool = True) -> CheckedRun:
     check_methods(methods, args.samples_per_task)
     if check_paths:
         check_local_paths(config)
+    family = config_family(config)
+    if family is not None:
+        try:
+            check_family_methods(family, methods)
+        except ValueError as error:
+            raise ConfigError(str(error), "methods") from None
     return CheckedRun(config, args, methods)
 
 

@@ -316,6 +316,9 @@ def resize_position_embeddings(model: nn.Module, length: int, init: PositionInit
     if init not in POSITION_INITS:
         raise ValueError(f"init must be one of {list(POSITION_INITS)}, got {init!r}")
     embeddings = model.text_model.embeddings
+    if not isinstance(getattr(embeddings, "position_embedding", None), nn.Embedding):
+        raise ValueError(f"growing the context needs a CLIP-style text position table (clip, metaclip_2, siglip); "
+                         f"{type(model).__name__} has none")
     old = embeddings.position_embedding
     current = old.num_embeddings
     if length < current:

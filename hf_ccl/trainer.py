@@ -81,7 +81,8 @@ class MethodHooksCallback(TrainerCallback):
         return control
 
     def on_optimizer_step(self, args, state, control, **kwargs):  # noqa: ANN001 (Trainer callback protocol)
-        """Clamp CLIP's temperature after each step, as OpenAI CLIP training does: exp(logit_scale) <= 100; clear
+        """Clamp the temperature after each step, as OpenAI CLIP training does: exp(logit_scale) <= 100 (the family's
+        `max_logit_scale`; SigLIP has none); clear
         the gradients of the methods' own parameters (the Trainer's `model.zero_grad()` does not reach them).
         Each method's `post_optimizer_step` runs first."""
         model = self.trainer.unwrapped_model()
@@ -91,9 +92,10 @@ class MethodHooksCallback(TrainerCallback):
             for parameter in method.optimizer_parameters():
                 parameter.grad = None
         logit_scale = getattr(model, "logit_scale", None)
-        if isinstance(logit_scale, torch.nn.Parameter):
+        limit = getattr(model, "max_logit_scale", MAX_LOGIT_SCALE)
+        if isinstance(logit_scale, torch.nn.Parameter) and limit is not None:
             with torch.no_grad():
-                logit_scale.clamp_(0.0, MAX_LOGIT_SCALE)
+                logit_scale.clamp_(0.0, limit)
         return control
 
 

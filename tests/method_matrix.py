@@ -21,10 +21,11 @@ import torch
 from transformers import TrainerCallback
 
 from hf_ccl.continual import ContinualArguments, ContinualLearner
-from hf_ccl.data import build_stream, load_image_processor, load_tokenizer
+from hf_ccl.data import build_stream, load_tokenizer
+from hf_ccl.families import FAMILIES, default_image_processor
 from hf_ccl.methods import METHODS as METHOD_CLASSES
 from hf_ccl.methods import available_methods, build_methods
-from hf_ccl.testing import tiny_clip
+from hf_ccl.testing import tiny_model
 
 #: Small buffers and queues, so that replay and momentum contrast engage on 64-example tasks; MAS's importance pass
 #: (one backward pass per example, each with a dense gradient of the whole token embedding) on 8 examples of a task.
@@ -58,6 +59,21 @@ REPRESENTATIVE_MATRIX = [name if name in REPRESENTATIVE else pytest.param(name, 
                          for name in METHODS]
 #: Methods that train pair tasks only (learner heads on cached features): they run on a pair stream.
 PAIR_ONLY = {name for name in METHODS if "learner_heads" in METHOD_CLASSES[name].roles}
+#: Methods every other family runs by default in the exact-resume matrix (one of each kind: the papers' methods, a
+#: penalty, replay, a parameter-efficient adapter, vocabulary growth); the others under `-m slow`.
+FAMILY_DEFAULT_METHODS = {"finetune", "modx", "ctp", "ewc", "derpp", "lora", "teir", "learner_heads"}
+#: (family, method) for every supported family and every method it does not refuse (`unsupported_methods`):
+#: CLIP runs `MATRIX`; the other families `FAMILY_DEFAULT_METHODS` by default and the rest under `-m slow`.
+FAMILY_MATRIX = [
+    pytest.param(family, method.values[0] if hasattr(method, "values") else method,
+                 marks=getattr(method, "marks", ()), id=f"{family}-{getattr(method, 'values', [method])[0]}")
+    for family in ("clip",) for method in MATRIX
+] + [
+    pytest.param(family, name, id=f"{family}-{name}",
+                 marks=() if name in FAMILY_DEFAULT_METHODS else pytest.mark.slow)
+    for family, cls in FAMILIES.items() if family != "clip"
+    for name in METHODS if name not in cls.unsupported_methods
+]
 
 
 def method_args(names: list[str] | tuple[str, ...]) -> dict[str, dict[str, Any]]:
@@ -98,19 +114,20 @@ def task_stream(names: list[str] | tuple[str, ...], tasks: int = 2, train: int =
 
 def run_method(
     methods: str | list[str], output_dir: Path, training: dict[str, Any], *, tasks: int = 2, train: int = 68,
-    seed: int = 1, callbacks: list[TrainerCallback] | None = None, **arguments: Any,
+    seed: int = 1, callbacks: list[TrainerCallback] | None = None, family: str = "clip", **arguments: Any,
 ) -> ContinualLearner:
-    """Fit `methods` (with `METHOD_ARGS`) on `tasks` tiny digits tasks of `train` training examples; returns the
-    learner after `fit()`.
+    """Fit `methods` (with `METHOD_ARGS`) on `tasks` tiny digits tasks of `train` training examples, on a tiny random
+    model of `family`; returns the learner after `fit()`.
     `arguments` are `ContinualArguments` fields (no initial evaluation and no checkpoints unless given)."""
     names = [methods] if isinstance(methods, str) else list(methods)
     args = ContinualArguments(
         output_dir=str(output_dir), training={"logging_steps": 1, **training}, progress=False, seed=seed,
         **{"evaluate_initial": False, "save_checkpoints": False, **arguments},
     )
+    model = tiny_model(family, seed=seed)
     learner = ContinualLearner(
-        tiny_clip(seed=seed), task_stream(names, tasks, train), build_methods(names, method_args(names)),
-        load_image_processor(32), load_tokenizer(), args, callbacks=callbacks,
+        model, task_stream(names, tasks, train), build_methods(names, method_args(names)),
+        default_image_processor(model), load_tokenizer(), args, callbacks=callbacks,
     )
     learner.fit()
     return learner

@@ -24,8 +24,10 @@ from typing import Any
 
 import pytest
 import torch
-from method_matrix import MATRIX, METHODS, LogRecorder, flat_state, method_args, run_method
+from method_matrix import FAMILY_MATRIX, METHODS, LogRecorder, flat_state, method_args, run_method
+from transformers import AutoModel
 
+from hf_ccl.families import family_class
 from hf_ccl.methods import build_methods, get_method_class, load_method_states
 from hf_ccl.validation import ConfigError
 
@@ -61,6 +63,24 @@ def assert_same_state(resumed: Any, expected: Any, what: str) -> None:
             assert other == value, f"{what} {path}"
 
 
+def assert_plain_class_matches(folder: Path, family: str, tokenizer: Any) -> None:
+    """`folder` names the family's plain transformers class, loads with `AutoModel` as that class, and gives the
+    image and text embeddings that the family's hf_ccl class loaded from it gives (padded as the family expects)."""
+    cls = family_class(family)
+    plain, ours = AutoModel.from_pretrained(folder), cls.from_pretrained(folder)
+    assert type(plain).__name__ == cls.plain_architecture == json.loads((folder / "config.json").read_text())[
+        "architectures"][0]
+    tokens = tokenizer(["a photo of a seven", "ein Hund"], padding=ours.text_padding, max_length=16, truncation=True,
+                       return_tensors="pt")
+    inputs = ours.text_inputs(tokens["input_ids"], tokens["attention_mask"])
+    pixels = torch.randn(2, 3, ours.image_size, ours.image_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(plain.get_text_features(**inputs).pooler_output,
+                                   ours.embed_texts(**inputs, normalize=False), rtol=0, atol=0)
+        torch.testing.assert_close(plain.get_image_features(pixel_values=pixels).pooler_output,
+                                   ours.embed_images(pixels, normalize=False), rtol=0, atol=0)
+
+
 def _results(learner) -> list[float]:
     """Every metric of every row, flat, in order (a pair task's row holds `drift` for earlier tasks only)."""
     return [m for row in learner.results.rows for task in row.metrics.values() for m in task.values()]
@@ -80,19 +100,20 @@ def _same_tokenizer(one, other) -> bool:  # noqa: ANN001
     return first == second or json.loads(first) == json.loads(second)
 
 
-@pytest.mark.parametrize("method", MATRIX)
-def test_every_method_resumes_exactly_after_a_task(tmp_path, method):
-    """The run resumed from task 0's checkpoint (in the same folder, as after a crash) trains task 1 only and ends
-    where the uninterrupted run ends: the results matrix, the model (parameters and buffers), the tokenizer, and
-    the method's state (anchors and importances, buffers, queues, teachers, adapters, vocabularies), as read back
-    from each run's last checkpoint."""
+@pytest.mark.parametrize(("family", "method"), FAMILY_MATRIX)
+def test_every_method_resumes_exactly_after_a_task(tmp_path, family, method):
+    """On every model family: the run resumed from task 0's checkpoint (in the same folder, as after a crash) trains
+    task 1 only and ends where the uninterrupted run ends: the results matrix, the model (parameters and buffers),
+    the tokenizer, and the method's state (anchors and importances, buffers, queues, teachers, adapters,
+    vocabularies), as read back from each run's last checkpoint. Its last task checkpoint loads with the family's
+    plain transformers class and gives the embeddings hf_ccl's class gives."""
     run = tmp_path / "run"
-    full = run_method(method, run, RESUME_TRAINING, **RESUME_ARGUMENTS)
+    full = run_method(method, run, RESUME_TRAINING, family=family, **RESUME_ARGUMENTS)
     run.rename(tmp_path / "full")
     shutil.copytree(tmp_path / "full" / "task-0", run / "task-0")  # as if stopped after task 0
     recorder = LogRecorder()
     resumed = run_method(method, run, RESUME_TRAINING, callbacks=[recorder], resume_from_checkpoint=True,
-                         **RESUME_ARGUMENTS)
+                         family=family, **RESUME_ARGUMENTS)
     assert recorder.task == 0, "the resumed run must train task 1 only"
     assert [row.label for row in resumed.results.rows] == [row.label for row in full.results.rows]
     assert [m.name for m in resumed.methods] == [m.name for m in full.methods] == [method]
@@ -111,8 +132,11 @@ def test_every_method_resumes_exactly_after_a_task(tmp_path, method):
         assert_same_state(_restored_state(method, run / "task-1"),
                           _restored_state(method, tmp_path / "full" / "task-1"), f"{method} state")
 
+    def plain_class() -> None:
+        assert_plain_class_matches(run / "task-1", family, resumed.tokenizer)
+
     failed = {}
-    for check in (results, model, tokenizer, state):
+    for check in (results, model, tokenizer, state, plain_class):
         try:
             check()
         except AssertionError as error:

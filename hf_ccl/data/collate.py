@@ -56,6 +56,9 @@ def load_image_processor(image_size: int, **kwargs: Any) -> Any:
     )
 
 
+#: How a batch's texts are padded: to its longest text, or to `max_length` (SigLIP pools the last position).
+TEXT_PADDINGS = ("longest", "max_length")
+
 def resolve_max_length(tokenizer: Any, max_length: int | None = None) -> int:
     """`max_length`, else the tokenizer's `model_max_length`, clamped to CLIP's 77 when it reports no real limit."""
     if max_length is not None:
@@ -67,7 +70,7 @@ def resolve_max_length(tokenizer: Any, max_length: int | None = None) -> int:
 class CLIPCollator:
     """Turn a list of canonical rows (`image`, `texts`, `image_id`) into CLIP inputs.
 
-    Returns `pixel_values`, `input_ids`, `attention_mask` (padded to the longest caption in the batch, truncated to
+    Returns `pixel_values`, `input_ids`, `attention_mask` (padded to the longest caption in the batch, or to `max_length` with `padding="max_length"`, truncated to
     `max_length`) and int64 `text_hash` / `image_hash` (stable hashes of the chosen caption and of `image_id`): two
     examples are positives when either hash matches. In train mode one caption per example is drawn from `texts`
     with the collator's own seeded generator; in eval mode the first caption is used. Integer columns named in
@@ -119,7 +122,11 @@ class CLIPCollator:
         parallel_tokenizer: Any = None,
         parallel_pairing: str = "auto",
         num_workers: int = 0,
+        padding: str = "longest",
     ) -> None:
+        if padding not in TEXT_PADDINGS:
+            raise ValueError(f"padding must be one of {list(TEXT_PADDINGS)}, got {padding!r}")
+        self.padding = padding
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
         self.num_workers = num_workers
@@ -243,7 +250,7 @@ class CLIPCollator:
         pixels = self.pixel_values(rows, ids)
         texts, indices = self._choose(rows)
         tokens = self.tokenizer(
-            texts, padding="longest", truncation=True, max_length=self.max_length, return_tensors="pt"
+            texts, padding=self.padding, truncation=True, max_length=self.max_length, return_tensors="pt"
         )
         batch = {
             "pixel_values": pixels,
@@ -255,7 +262,7 @@ class CLIPCollator:
         if self.parallel_text_column is not None:
             parallel = self.choose_parallel_texts(rows, indices)
             parallel_tokens = self.parallel_tokenizer(
-                parallel, padding="longest", truncation=True, max_length=self.parallel_max_length, return_tensors="pt"
+                parallel, padding=self.padding, truncation=True, max_length=self.parallel_max_length, return_tensors="pt"
             )
             batch["parallel_input_ids"] = parallel_tokens["input_ids"]
             batch["parallel_attention_mask"] = parallel_tokens["attention_mask"]

@@ -58,7 +58,7 @@ def _batches(values: Iterable[Any], batch_size: int) -> Iterator[list[Any]]:
 
 
 def _empty(model: torch.nn.Module, device: torch.device) -> torch.Tensor:
-    dim = getattr(getattr(model, "config", None), "projection_dim", 0) or 0
+    dim = getattr(model, "embed_dim", None) or getattr(getattr(model, "config", None), "projection_dim", 0) or 0
     return torch.empty((0, dim), device=device)
 
 
@@ -98,7 +98,7 @@ def default_max_length(model: torch.nn.Module, tokenizer: Any) -> int | None:
     """The smaller of the tokenizer's `model_max_length` and the text tower's position count."""
     limits = []
     text_config = getattr(getattr(model, "config", None), "text_config", None)
-    positions = getattr(text_config, "max_position_embeddings", None)
+    positions = getattr(model, "max_text_positions", None) or getattr(text_config, "max_position_embeddings", None)
     if isinstance(positions, int):
         limits.append(positions)
     tokenizer_limit = getattr(tokenizer, "model_max_length", None)
@@ -118,18 +118,20 @@ def encode_texts(
 ) -> torch.Tensor:
     """Embed texts with `model.get_text_features` in eval mode under `torch.no_grad()`.
 
-    Texts are padded per batch and truncated to `max_length` (default: `default_max_length`, 77 for CLIP).
+    Texts are padded as the model's family expects (`text_padding`: per batch, or to `max_length` for SigLIP) and
+    truncated to `max_length` (default: `default_max_length`, 77 for CLIP).
     Returns a float32 `[N, d]` tensor on `device` (default: the model's device), not normalised.
     """
     model = unwrap(model)
     device = torch.device(device) if device is not None else model_device(model)
     max_length = max_length if max_length is not None else default_max_length(model, tokenizer)
+    padding = getattr(model, "text_padding", "longest") if max_length is not None else "longest"
     chunks: list[torch.Tensor] = []
     with eval_mode(model):
         for batch in _batches(texts, batch_size):
             tokens = tokenizer(
                 list(batch),
-                padding=True,
+                padding=padding,
                 truncation=max_length is not None,
                 max_length=max_length,
                 return_tensors="pt",
@@ -137,5 +139,7 @@ def encode_texts(
             inputs = {
                 name: tokens[name].to(device) for name in ("input_ids", "attention_mask") if name in tokens
             }
+            if hasattr(model, "text_inputs"):  # the family's convention (SigLIP: no attention mask)
+                inputs = model.text_inputs(inputs["input_ids"], inputs.get("attention_mask"))
             chunks.append(as_embedding(model.get_text_features(**inputs)).float())
     return torch.cat(chunks) if chunks else _empty(model, device)

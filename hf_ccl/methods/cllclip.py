@@ -227,13 +227,15 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     return digest.hexdigest()
 
 
-def plain_clip_copy(state: dict[str, torch.Tensor], config: dict[str, Any]) -> ContinualCLIPModel:
-    """A `ContinualCLIPModel` built from `config` holding exactly `state` (cloned, dtypes and devices kept)."""
-    from transformers import CLIPConfig
-
+def plain_clip_copy(
+    state: dict[str, torch.Tensor], config: dict[str, Any], model_class: type | None = None
+) -> ContinualCLIPModel:
+    """A model of `model_class` (default `ContinualCLIPModel`; any family) built from `config` holding exactly
+    `state` (cloned, dtypes and devices kept)."""
     from ..modeling import ContinualCLIPModel
 
-    copy = ContinualCLIPModel(CLIPConfig.from_dict(dict(config)))
+    model_class = model_class or ContinualCLIPModel
+    copy = model_class(model_class.config_class.from_dict(dict(config)))
     expected = set(copy.state_dict())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
@@ -382,7 +384,7 @@ class CLLCLIP(ContinualMethod):
             raise ValueError("cllclip needs context.tokenizer (the original tokenizer) at the first task")
         model = context.model
         self._teacher_config = model.config.to_dict()
-        teacher_model = plain_clip_copy(model.state_dict(), self._teacher_config)
+        teacher_model = plain_clip_copy(model.state_dict(), self._teacher_config, type(model))
         self._teacher_digests = {name: tensor_digest(value) for name, value in teacher_model.state_dict().items()}
         self.teacher = CLLTeacher(teacher_model, cache=self.config.teacher_cache)
         self.tokenizer = tokenizer
@@ -418,7 +420,7 @@ class CLLCLIP(ContinualMethod):
                         "save with save_full_teacher=True."
                     )
             tensors[name] = value.to(device)
-        teacher_model = plain_clip_copy(tensors, config)
+        teacher_model = plain_clip_copy(tensors, config, type(model))
         self._teacher_config, self._teacher_digests = config, digests
         self.teacher = CLLTeacher(teacher_model, cache=self.config.teacher_cache)
 

@@ -165,7 +165,7 @@ class CTP(ContinualMethod):
         self.reference = FrozenTeacher(model, cache=self.config.teacher_cache) if context.task_index > 0 else None
         self.momentum_model = FrozenTeacher(model) if self.config.cmc_weight else None
         self.momentum_update_due = True  # Eq. 3 runs before M's forward in every iteration, the first included
-        self._ensure_queues(model.config.projection_dim, context.seed)
+        self._ensure_queues(model.embed_dim, context.seed)
         return None
 
     def pre_optimizer_step(self, model: ContinualCLIPModel, context: TaskContext) -> None:

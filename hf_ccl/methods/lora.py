@@ -50,9 +50,21 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-TOWERS = {"text": "text_model", "vision": "vision_model"}
-#: Linear layers of a CLIP encoder layer that LoRA can target (attention and MLP).
-CLIP_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
+#: Each tower's encoder layers in every family: CLIP, SigLIP, MetaCLIP 2 and every vision tower
+#: (`<tower>.encoder.layers`), AltCLIP's XLM-R text tower (`text_model.roberta.encoder.layers`) and Chinese-CLIP's
+#: BERT text tower (`text_model.encoder.layer`).
+TOWERS = {"text": r"text_model\.(roberta\.)?encoder\.layers?", "vision": r"vision_model\.encoder\.layers"}
+#: Linear layers of an encoder layer that LoRA can target (attention and MLP), by their CLIP names, with where each
+#: lives in a CLIP-style layer and in a BERT-style one (AltCLIP's and Chinese-CLIP's text towers).
+LAYER_LINEARS = {
+    "q_proj": ("self_attn.q_proj", "attention.self.query"),
+    "k_proj": ("self_attn.k_proj", "attention.self.key"),
+    "v_proj": ("self_attn.v_proj", "attention.self.value"),
+    "out_proj": ("self_attn.out_proj", "attention.output.dense"),
+    "fc1": ("mlp.fc1", "intermediate.dense"),
+    "fc2": ("mlp.fc2", "output.dense"),
+}
+CLIP_LINEAR_MODULES = tuple(LAYER_LINEARS)
 ADAPTERS_DIR = "adapters"
 #: The key prefix of a PeftModel's saved adapter weights (`PeftModel.from_pretrained` expects it).
 PEFT_PREFIX = "base_model.model."
@@ -65,11 +77,11 @@ def adapter_name(task_index: int) -> str:
 
 
 def target_module_regex(towers: list[str], target_modules: list[str]) -> str:
-    """A PEFT `target_modules` regex (full match on module names) for `target_modules` in the encoder layers of
-    `towers`, e.g. `(text_model)\\.encoder\\.layers\\.\\d+\\.(.*\\.)?(q_proj|v_proj)`."""
+    """A PEFT `target_modules` regex (full match on module names) for `target_modules` (CLIP names) in the encoder
+    layers of `towers`, matching every family's layout (`TOWERS`, `LAYER_LINEARS`)."""
     prefixes = "|".join(TOWERS[t] for t in towers)
-    names = "|".join(re.escape(m) for m in target_modules)
-    return rf"({prefixes})\.encoder\.layers\.\d+\.(.*\.)?({names})"
+    names = "|".join(re.escape(path) for module in target_modules for path in LAYER_LINEARS[module])
+    return rf"({prefixes})\.\d+\.({names})"
 
 
 @dataclass

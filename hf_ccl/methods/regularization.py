@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from ..distributed import all_reduce_sum_, rank, world_size
-from ..losses import clip_contrastive_loss, positive_mask
+from ..losses import positive_mask
 from .base import ContinualMethod, MethodConfig, TaskContext
 
 if TYPE_CHECKING:
@@ -412,15 +412,16 @@ def task_batches(
 
 
 def batch_contrastive_loss(model: ContinualCLIPModel, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The contrastive loss of this process's batch alone (no all-gather), with the collator's positive mask; of a
+    """The model family's loss (CLIP's softmax, SigLIP's sigmoid) of this process's batch alone (no all-gather), with
+    the collator's positive mask; of a
     pair batch (cached features, `learner_heads`), the pair loss (CMCL Eq. 2)."""
     if "features_a" in batch:
         return model(**batch, return_loss=True).loss
     images = model.embed_images(batch["pixel_values"])
     texts = model.embed_texts(batch["input_ids"], batch.get("attention_mask"))
-    logits = model.logit_scale.exp() * images @ texts.t()
+    logits = model.logits(images, texts)
     mask = positive_mask(batch["text_hash"], batch.get("image_hash")) if "text_hash" in batch else None
-    return clip_contrastive_loss(logits, mask)
+    return model.contrastive_loss(logits, mask)
 
 
 def squared_embedding_norms(model: ContinualCLIPModel, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:

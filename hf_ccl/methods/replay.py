@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from datasets import Dataset, concatenate_datasets
 
 from ..data.buffer import ReservoirBuffer
@@ -374,10 +375,13 @@ class DarkExperienceReplay(ExperienceReplay):
         if slots is None:
             zero = outputs.image_embeds.new_zeros((), dtype=torch.float32)
             return {name: zero for name in self.term_names()}
-        return self.replay_terms(outputs, slots)
+        return self.replay_terms(outputs, slots, getattr(model, "loss_kind", "softmax"))
 
-    def replay_terms(self, outputs: ContinualCLIPOutput, slots: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The weighted terms for a global batch whose rows have buffer `slots` (-1: new data)."""
+    def replay_terms(
+        self, outputs: ContinualCLIPOutput, slots: torch.Tensor, loss_kind: str = "softmax"
+    ) -> dict[str, torch.Tensor]:
+        """The weighted terms for a global batch whose rows have buffer `slots` (-1: new data); `loss_kind` is the
+        model family's loss ("softmax" or "sigmoid"), for the terms that use it."""
         image_targets, text_targets = self._targets_on(slots.device)
         mse = der_mse(_global(outputs, "image"), _global(outputs, "text"), image_targets, text_targets, slots)
         return {"mse": self.option("alpha", pair=False) * mse}
@@ -491,12 +495,15 @@ class DarkExperienceReplayPlusPlus(DarkExperienceReplay):
         """DER's, and `replay_contrastive` by beta."""
         return {**super().term_weights(pair), "replay_contrastive": self.option("beta", pair)}
 
-    def replay_terms(self, outputs: ContinualCLIPOutput, slots: torch.Tensor) -> dict[str, torch.Tensor]:
-        terms = super().replay_terms(outputs, slots)
+    def replay_terms(
+        self, outputs: ContinualCLIPOutput, slots: torch.Tensor, loss_kind: str = "softmax"
+    ) -> dict[str, torch.Tensor]:
+        terms = super().replay_terms(outputs, slots, loss_kind)
         logits = outputs.global_logits_per_image
         if logits is None:
             logits = outputs.logits_per_image
-        terms["replay_contrastive"] = self.option("beta", pair=False) * subset_contrastive_loss(
+        subset_loss = subset_sigmoid_loss if loss_kind == "sigmoid" else subset_contrastive_loss
+        terms["replay_contrastive"] = self.option("beta", pair=False) * subset_loss(
             logits, outputs.global_positive_mask, slots >= 0
         )
         return terms
@@ -543,6 +550,19 @@ def subset_contrastive_loss(
         per_row = -(targets * masked.log_softmax(-1)).sum(-1)
         total = total + (weight * per_row).sum() / count
     return total / 2.0
+
+
+def subset_sigmoid_loss(
+    logits_per_image: torch.Tensor, positives: torch.Tensor | None, rows: torch.Tensor
+) -> torch.Tensor:
+    """`losses.sigmoid_contrastive_loss` (SigLIP's family) on the sub-matrix of `rows` (bool [N]): the pairs of two
+    selected rows, divided by their count; 0 when no row is selected."""
+    logits = logits_per_image.float()
+    if positives is None:
+        positives = torch.eye(logits.shape[0], dtype=torch.bool, device=logits.device)
+    pair = (rows[:, None] & rows[None, :]).float()
+    signs = positives.float() * 2.0 - 1.0
+    return -(pair * F.logsigmoid(signs * logits)).sum() / rows.float().sum().clamp(min=1.0)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -186,7 +186,7 @@ class GrowVocab(ContinualMethod):
         length = self.config.context_length
         if length is None:
             return tokenizer
-        current = context.model.config.text_config.max_position_embeddings
+        current = context.model.max_text_positions
         if current > length:
             raise ValueError(f"grow_vocab context_length={length} is shorter than the model's {current} positions")
         if current == length and tokenizer.model_max_length == length:
@@ -241,7 +241,7 @@ class GrowVocab(ContinualMethod):
             "ids": list(ids),
             "tokens": list(tokens),
             "vocab_size": len(tokenizer),
-            "context_length": int(context.model.config.text_config.max_position_embeddings),
+            "context_length": int(context.model.max_text_positions),
             "stats": stats,
             "report": report,
         }

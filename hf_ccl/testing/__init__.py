@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ..callbacks import TaskCallback
 
 if TYPE_CHECKING:
-    from ..modeling import ContinualCLIPModel
+    from ..modeling import ContinualCLIPModel, ContinualDualEncoder
     from .hub_server import (
         FaultPlan,
         HubStore,
@@ -35,6 +35,7 @@ __all__ = [
     "local_hub_endpoint",
     "local_hub_process",
     "tiny_clip",
+    "tiny_model",
 ]
 
 #: A 1-layer, 32-wide CLIP on 32 px images with the real 49,408-token vocabulary: trains at dozens of steps/s.
@@ -43,12 +44,18 @@ TINY_CLIP = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "image_size": 3
 
 def tiny_clip(seed: int = 0, **overrides: int) -> ContinualCLIPModel:
     """A seeded random tiny CLIP (TINY_CLIP sizes, overridable)."""
+    return tiny_model("clip", seed, **overrides)  # type: ignore[return-value]
+
+
+def tiny_model(family: str = "clip", seed: int = 0, **overrides: int) -> ContinualDualEncoder:
+    """A seeded random tiny model of any family (`hf_ccl.families`) at the TINY_CLIP sizes (overridable), with the
+    bundled CLIP tokenizer's vocabulary."""
     import torch
 
-    from ..modeling import ContinualCLIPModel, tiny_clip_config
+    from ..families import family_class, tiny_config
 
     torch.manual_seed(seed)
-    return ContinualCLIPModel(tiny_clip_config(**{**TINY_CLIP, **overrides}))
+    return family_class(family)(tiny_config(family, **{**TINY_CLIP, **overrides}))  # type: ignore[call-arg]
 
 
 class TrainingLogRecorder(TaskCallback):

@@ -6,6 +6,8 @@
 2. A 2-task continual run with ContinualTrainer leaves identical parameters on both ranks.
 3. So does every registered method (with `tests/method_matrix.py`'s METHOD_ARGS), and the papers' compositions
    ([modx, er], [ctp, er], [lwf, er]): the same model state and the same method state on both ranks, bit for bit.
+4. 1 and 3 also on a tiny SigLIP: the sigmoid loss of each process's images against every process's texts, averaged
+   over the processes, is the one-process loss of the whole batch (and the gradients agree); runs `SIGLIP_RUNS`.
 Writes `rank<r>.json` into the folder given as the first argument. A second argument, a comma-separated list of
 methods, limits the single-method runs of 3 to those (the compositions and accumulated runs always run).
 """
@@ -28,31 +30,35 @@ from hf_ccl.continual import ContinualArguments, ContinualLearner
 from hf_ccl.data.collate import load_image_processor, load_tokenizer
 from hf_ccl.data.named import build_stream
 from hf_ccl.distributed import world_size
-from hf_ccl.losses import clip_contrastive_loss, positive_mask
+from hf_ccl.families import default_image_processor
+from hf_ccl.losses import positive_mask
 from hf_ccl.methods import available_methods, build_methods
-from hf_ccl.testing import tiny_clip
+from hf_ccl.testing import tiny_clip, tiny_model
 
 TEXTS = ["a photo of a cat", "a dog", "two birds", "a red car", "a photo of a cat", "a boat", "a tree", "the sea"]
 
 
-def whole_batch(tokenizer) -> tuple:
-    """A tiny CLIP and the whole batch every process starts from: encoding, pixels, text and image hashes."""
-    model = tiny_clip(seed=0)
+def whole_batch(tokenizer, family: str = "clip") -> tuple:
+    """A tiny model of `family` and the whole batch every process starts from: encoding (padded as the family
+    expects), pixels, text and image hashes."""
+    model = tiny_model(family, seed=0)
     model.align_special_tokens(tokenizer)
-    encoding = tokenizer(TEXTS, padding=True, return_tensors="pt")
+    encoding = tokenizer(TEXTS, padding=model.text_padding, max_length=16, truncation=True, return_tensors="pt")
     torch.manual_seed(123)
     pixels = torch.randn(len(TEXTS), 3, 32, 32)
     text_hash = torch.tensor([zlib.crc32(t.encode()) % 1000 for t in TEXTS])
     return model, encoding, pixels, text_hash, torch.arange(len(TEXTS))
 
 
-def global_batch_check(tokenizer, rank: int, world: int) -> dict:
-    model, encoding, pixels, text_hash, image_hash = whole_batch(tokenizer)
+def global_batch_check(tokenizer, rank: int, world: int, family: str = "clip") -> dict:
+    """The family's loss of this process's half, over the global batch: its mean over the processes (CLIP: the same
+    value on each; SigLIP: each process's local images against every text) equals the one-process loss of the
+    whole batch, and so do the gradients after DDP's averaging."""
+    model, encoding, pixels, text_hash, image_hash = whole_batch(tokenizer, family)
     # One process, whole batch: the loss computed directly, no gather involved.
     image_embeds = model.embed_images(pixels)
     text_embeds = model.embed_texts(encoding.input_ids, encoding.attention_mask)
-    logits = model.logit_scale.exp() * image_embeds @ text_embeds.t()
-    reference_loss = clip_contrastive_loss(logits, positive_mask(text_hash, image_hash))
+    reference_loss = model.contrastive_loss(model.logits(image_embeds, text_embeds), positive_mask(text_hash, image_hash))
     reference_loss.backward()
     reference_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
@@ -71,25 +77,29 @@ def global_batch_check(tokenizer, rank: int, world: int) -> dict:
         dist.all_reduce(grad)
         grad /= world  # what DDP does
         max_grad_diff = max(max_grad_diff, (grad - reference_grads[name]).abs().max().item())
-    return {"reference_loss": reference_loss.item(), "distributed_loss": local.loss.item(), "max_grad_diff": max_grad_diff}
+    mean_loss = local.loss.detach().clone()
+    dist.all_reduce(mean_loss)
+    prefix = "" if family == "clip" else f"{family}_"
+    return {f"{prefix}reference_loss": reference_loss.item(), f"{prefix}distributed_loss": mean_loss.item() / world,
+            f"{prefix}max_grad_diff": max_grad_diff}
 
 
-def accumulation_check(tokenizer, rank: int, world: int) -> dict:
-    """This process's half of the batch in 2 chunks, through DDP, with a penalty on `text_projection`: the
+def accumulation_check(tokenizer, rank: int, world: int, family: str = "clip") -> dict:
+    """This process's half of the batch in 2 chunks, through DDP, with a penalty on the text projection: the
     all-reduced gradients equal the one-process gradients of the whole batch's loss."""
     from torch.nn.parallel import DistributedDataParallel
 
     from hf_ccl.accumulation import accumulated_backward
 
-    model, encoding, pixels, text_hash, image_hash = whole_batch(tokenizer)
+    model, encoding, pixels, text_hash, image_hash = whole_batch(tokenizer, family)
 
     def penalty() -> torch.Tensor:
-        return 1e-2 * model.text_projection.weight.pow(2).sum()
+        return 1e-2 * model.projection("text").weight.pow(2).sum()
 
     image_embeds = model.embed_images(pixels)
     text_embeds = model.embed_texts(encoding.input_ids, encoding.attention_mask)
-    logits = model.logit_scale.exp() * image_embeds @ text_embeds.t()
-    reference_loss = clip_contrastive_loss(logits, positive_mask(text_hash, image_hash)) + penalty()
+    logits = model.logits(image_embeds, text_embeds)
+    reference_loss = model.contrastive_loss(logits, positive_mask(text_hash, image_hash)) + penalty()
     reference_loss.backward()
     reference_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
@@ -116,8 +126,12 @@ def accumulation_check(tokenizer, rank: int, world: int) -> dict:
                                 no_sync=wrapped.no_sync)
     max_grad_diff = max((p.grad - reference_grads[n]).abs().max().item() for n, p in model.named_parameters()
                         if n in reference_grads)
-    return {"accumulated_loss": loss.item(), "accumulated_reference_loss": reference_loss.item(),
-            "accumulated_max_grad_diff": max_grad_diff}
+    mean_loss = loss.detach().clone()
+    dist.all_reduce(mean_loss)
+    prefix = "" if family == "clip" else f"{family}_"
+    return {f"{prefix}accumulated_loss": mean_loss.item() / world,
+            f"{prefix}accumulated_reference_loss": reference_loss.item(),
+            f"{prefix}accumulated_max_grad_diff": max_grad_diff}
 
 
 def continual_run(tokenizer, output_dir: Path) -> dict:
@@ -137,6 +151,8 @@ def continual_run(tokenizer, output_dir: Path) -> dict:
 
 
 COMPOSITIONS = (("modx", "er"), ("ctp", "er"), ("lwf", "er"), ("learner_heads", "dns"), ("learner_heads", "ewc"))
+#: Runs on a tiny SigLIP (the sigmoid loss over the global batch): key `siglip:<methods>`.
+SIGLIP_RUNS = (("finetune",), ("modx", "derpp"))
 #: Runs repeated with 2 accumulated micro-batches per step (exact accumulation through DDP's no_sync).
 ACCUMULATED = (("finetune",), ("ewc",), ("cllclip",), ("modx", "er"), ("ctp", "er"))
 
@@ -155,12 +171,14 @@ def method_matrix(tokenizer, output_dir: Path, only: set[str] | None = None) -> 
     model tensor and of every leaf of every method's state, and the largest difference of the model's tensors
     across ranks; the `ACCUMULATED` runs also with gradient_accumulation_steps=2 (keys `accumulate2:<methods>`)."""
     registered = set(available_methods())
-    runs = [((name,), 1) for name in sorted(registered) if only is None or name in only]
-    runs += [(combo, 1) for combo in COMPOSITIONS if set(combo) <= registered]
-    runs += [(combo, 2) for combo in ACCUMULATED if set(combo) <= registered]
+    runs = [((name,), 1, "clip") for name in sorted(registered) if only is None or name in only]
+    runs += [(combo, 1, "clip") for combo in COMPOSITIONS if set(combo) <= registered]
+    runs += [(combo, 2, "clip") for combo in ACCUMULATED if set(combo) <= registered]
+    runs += [(combo, 1, "siglip") for combo in SIGLIP_RUNS]
     report: dict[str, dict] = {"model_digests": {}, "method_digests": {}, "model_spread": {}}
-    for names, accumulation in runs:
+    for names, accumulation, family in runs:
         key = "+".join(names) if accumulation == 1 else f"accumulate{accumulation}:" + "+".join(names)
+        key = key if family == "clip" else f"{family}:{key}"
         args = ContinualArguments(  # a compute budget of 2 steps per task (Oracle needs one for its t x C)
             output_dir=str(output_dir / key.replace(":", "_")),
             training={"per_device_train_batch_size": 8, "learning_rate": 1e-3,
@@ -168,10 +186,10 @@ def method_matrix(tokenizer, output_dir: Path, only: set[str] | None = None) -> 
             samples_per_task=2 * 8 * accumulation * world_size(),
             progress=False,
         )
+        model = tiny_model(family, seed=0)
         learner = ContinualLearner(
-            tiny_clip(seed=0), task_stream(names, train=64, evaluate=10), build_methods(list(names), method_args(names)),
-            load_image_processor(32),
-            tokenizer, args,
+            model, task_stream(names, train=64, evaluate=10), build_methods(list(names), method_args(names)),
+            default_image_processor(model), tokenizer, args,
         )
         learner.fit()
         model_state = learner.model.state_dict()
@@ -191,6 +209,8 @@ def main() -> None:
         "world_size": world,
         **global_batch_check(tokenizer, rank, world),
         **accumulation_check(tokenizer, rank, world),
+        **global_batch_check(tokenizer, rank, world, "siglip"),
+        **accumulation_check(tokenizer, rank, world, "siglip"),
         **continual_run(tokenizer, output_dir),
         **method_matrix(tokenizer, output_dir, only),
     }

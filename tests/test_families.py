@@ -1,0 +1,212 @@
+"""The dual-encoder families (`hf_ccl.families`): each saves a checkpoint its plain transformers class loads in a
+Python without hf_ccl with the same embeddings; SigLIP's sigmoid loss by hand and against `SiglipModel`'s own; the
+family found from a config, chosen in a run config, and the combinations refused before training.
+
+Every method on every family (train, evaluate, save, reload with the plain class, resume exactly) is the exact-resume
+matrix of `tests/test_method_registry.py`; the sigmoid loss over two processes is `tests/test_distributed.py`."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoConfig, SiglipConfig, SiglipModel
+
+from hf_ccl.config import RunConfig
+from hf_ccl.data import load_tokenizer
+from hf_ccl.evaluation.encode import encode_texts
+from hf_ccl.families import (
+    FAMILIES,
+    check_family_methods,
+    default_image_processor,
+    family_of,
+    load_continual_model,
+)
+from hf_ccl.losses import positive_mask, sigmoid_contrastive_loss
+from hf_ccl.methods import build_methods
+from hf_ccl.run import check_config
+from hf_ccl.testing import tiny_model
+from hf_ccl.validation import ConfigError
+
+TEXTS = ["a photo of a dog", "a sketch of a house", "zwei Hunde im Schnee"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, tokenizer):
+    """One saved tiny model per family (vocabulary grown by 3 rows, as a language task does), with the embeddings
+    hf_ccl's class gives on fixed texts and pixels."""
+    folder = tmp_path_factory.mktemp("families")
+    expected = {}
+    for family in FAMILIES:
+        model = tiny_model(family, seed=3)
+        model.align_special_tokens(tokenizer)
+        model.resize_token_embeddings(len(tokenizer) + 3)
+        model.eval()
+        model.save_pretrained(folder / family)
+        tokens = tokenizer(TEXTS, padding=model.text_padding, max_length=16, truncation=True, return_tensors="pt")
+        pixels = torch.randn(2, 3, model.image_size, model.image_size, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            expected[family] = {
+                "inputs": {k: v.tolist() for k, v in model.text_inputs(tokens["input_ids"], tokens["attention_mask"]).items()},
+                "pixels": pixels.tolist(),
+                "text": model.embed_texts(tokens["input_ids"], tokens["attention_mask"], normalize=False).tolist(),
+                "image": model.embed_images(pixels, normalize=False).tolist(),
+            }
+    (folder / "expected.json").write_text(json.dumps(expected))
+    return folder
+
+
+PLAIN_CHECK = """
+import json, sys, torch, transformers
+folder = sys.argv[1]
+expected = json.load(open(f"{folder}/expected.json"))
+for family, values in expected.items():
+    model = transformers.AutoModel.from_pretrained(f"{folder}/{family}")
+    inputs = {k: torch.tensor(v) for k, v in values["inputs"].items()}
+    with torch.no_grad():
+        text = model.get_text_features(**inputs).pooler_output
+        image = model.get_image_features(pixel_values=torch.tensor(values["pixels"])).pooler_output
+    torch.testing.assert_close(text, torch.tensor(values["text"]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(image, torch.tensor(values["image"]), rtol=1e-5, atol=1e-6)
+    print(family, type(model).__name__)
+assert not any(name.startswith("hf_ccl") for name in sys.modules), "hf_ccl was imported"
+"""
+
+
+def test_every_family_saves_what_its_plain_class_loads_in_a_python_without_hf_ccl(saved):
+    result = subprocess.run([sys.executable, "-c", PLAIN_CHECK, str(saved)], capture_output=True, text=True,
+                            timeout=300, cwd=saved)
+    assert result.returncode == 0, result.stderr[-3000:]
+    loaded = dict(line.split() for line in result.stdout.splitlines())
+    assert loaded == {family: cls.plain_architecture for family, cls in FAMILIES.items()}
+    for family, cls in FAMILIES.items():
+        config = json.loads((saved / family / "config.json").read_text())
+        assert config["architectures"] == [cls.plain_architecture]
+        assert family_of(AutoConfig.from_pretrained(saved / family)) == family
+
+
+def test_load_continual_model_picks_the_family_and_checks_model_family(saved):
+    for family, cls in FAMILIES.items():
+        assert type(load_continual_model(str(saved / family))) is cls
+    with pytest.raises(ValueError, match="model.family is 'siglip' but .* is a 'clip' checkpoint"):
+        load_continual_model(str(saved / "clip"), family="siglip")
+
+
+def test_siglip_2_and_unknown_families_are_refused_by_name():
+    with pytest.raises(ValueError, match="siglip2.*NaFlex"):
+        family_of("siglip2")
+    with pytest.raises(ValueError, match="supported: clip, siglip"):
+        family_of("blip")
+    assert family_of(SiglipConfig()) == "siglip"
+
+
+# ----- SigLIP's loss ------------------------------------------------------------------------------------------------
+def test_sigmoid_loss_by_hand():
+    """L = -1/|B| sum_ij log sigmoid(z_ij l_ij), z = +1 on the positives (Zhai et al. 2023, Eq. 1)."""
+    logits = torch.tensor([[2.0, -1.0], [0.5, 1.0]])
+
+    def log_sigmoid(x: float) -> float:
+        return -math.log1p(math.exp(-x))
+
+    # positives l_00 = 2, l_11 = 1; negatives l_01 = -1 and l_10 = 0.5 enter negated (z = -1): +1 and -0.5
+    diagonal = -(log_sigmoid(2.0) + log_sigmoid(1.0) + log_sigmoid(1.0) + log_sigmoid(-0.5)) / 2
+    assert sigmoid_contrastive_loss(logits).item() == pytest.approx(diagonal, rel=1e-6)
+    # the two texts are the same caption: every pair is positive
+    both = -(log_sigmoid(2.0) + log_sigmoid(1.0) + log_sigmoid(-1.0) + log_sigmoid(0.5)) / 2
+    mask = positive_mask(torch.tensor([7, 7]))
+    assert sigmoid_contrastive_loss(logits, mask).item() == pytest.approx(both, rel=1e-6)
+    # one process's row of the batch: divided by the batch's rows, not its own
+    assert sigmoid_contrastive_loss(logits[:1], torch.eye(2, dtype=torch.bool)[:1], num_rows=2).item() == \
+        pytest.approx(-(log_sigmoid(2.0) + log_sigmoid(1.0)) / 2, rel=1e-6)
+
+
+def test_siglip_forward_loss_equals_siglip_model_loss(tokenizer):
+    model = tiny_model("siglip", seed=0)
+    tokens = tokenizer(TEXTS, padding="max_length", max_length=16, truncation=True, return_tensors="pt")
+    pixels = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    model.eval()
+    with torch.no_grad():
+        ours = model(input_ids=tokens["input_ids"], pixel_values=pixels, return_loss=True)
+        theirs = SiglipModel.forward(model, input_ids=tokens["input_ids"], pixel_values=pixels, return_loss=True)
+    torch.testing.assert_close(ours.loss, theirs.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours.logits_per_image, theirs.logits_per_image, rtol=1e-5, atol=1e-6)
+    # a fresh SigLIP starts from the paper's t' = log 10, b = -10, and its scale is not clamped at ln 100
+    assert model.logit_scale.item() == pytest.approx(math.log(10.0)) and model.logit_bias.item() == -10.0
+    assert model.max_logit_scale is None
+
+
+def test_siglip_texts_are_padded_to_max_length_without_a_mask(tokenizer):
+    """SigLIP pools the last position: evaluation pads every text to the limit and passes no attention mask, so a
+    text embeds the same alone and beside a longer one."""
+    model = tiny_model("siglip", seed=0)
+    alone = encode_texts(model, tokenizer, ["a dog"], max_length=16)
+    beside = encode_texts(model, tokenizer, ["a dog", "a much longer caption of a dog in the snow"], max_length=16)
+    torch.testing.assert_close(alone[0], beside[0], rtol=1e-5, atol=1e-6)
+    assert model.text_inputs(torch.ones(1, 4, dtype=torch.long), torch.ones(1, 4)).keys() == {"input_ids"}
+
+
+# ----- configs and refusals -----------------------------------------------------------------------------------------
+def test_run_config_model_family(tmp_path):
+    config = RunConfig(model={"family": "siglip", "config": {"hidden_size": 32, "projection_dim": 32}},
+                       output_dir=str(tmp_path))
+    assert config.model["family"] == "siglip"
+    with pytest.raises(ConfigError, match="model.family: model family 'blip' is not supported"):
+        RunConfig(model={"family": "blip"}, output_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="projection_dim .* must equal .*hidden_size"):
+        RunConfig(model={"family": "siglip", "config": {"hidden_size": 32, "projection_dim": 64}},
+                  output_dir=str(tmp_path))
+
+
+@pytest.mark.parametrize(("family", "method", "reason"), [
+    ("siglip", "dns", "no image projection"), ("siglip", "learner_heads", "fold an image head"),
+    ("siglip", "prompt", "causal text tower"), ("altclip", "prompt", "causal text tower"),
+])
+def test_a_method_a_family_cannot_run_is_refused_before_training(tmp_path, family, method, reason):
+    config = RunConfig(model={"family": family, "config": {"hidden_size": 32, "projection_dim": 32}},
+                       methods=[method], output_dir=str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match=f"not available for the {family} family: {method}: .*{reason}"):
+        check_config(config)
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ValueError, match=reason):
+        check_family_methods(tiny_model(family), build_methods([method]))
+
+
+def test_the_families_image_processors():
+    siglip, clip = default_image_processor(tiny_model("siglip")), default_image_processor(tiny_model("clip"))
+    assert siglip.size == {"height": 32, "width": 32} and list(siglip.image_mean) == [0.5, 0.5, 0.5]
+    assert clip.crop_size == {"height": 32, "width": 32}
+
+
+# ----- a run through the CLI, and the pipeline on every task revision -----------------------------------------------
+@pytest.mark.parametrize("family", [family for family in FAMILIES if family != "clip"])
+def test_the_default_recipe_runs_every_family_and_the_pipeline_reads_every_task(tmp_path, capsys, family):
+    """`hf-ccl train --config digits model.family=<family>`: trains, evaluates and saves each task; every task
+    folder works with `pipeline("zero-shot-image-classification")` (SigLIP's pads to max_length itself)."""
+    from PIL import Image
+    from transformers import pipeline
+
+    from hf_ccl.cli import main
+
+    overrides = [
+        f"output_dir={tmp_path}", "progress=false", "training.max_steps=2", "training.per_device_train_batch_size=16",
+        "stream_args.max_train_per_task=32", "stream_args.max_eval_per_task=10", f"model.family={family}",
+        "model.config.hidden_size=32", "model.config.num_layers=1", "model.config.projection_dim=32",
+    ]
+    assert main(["train", "--config", "digits", *overrides]) == 0
+    assert "| after digits-89 |" in capsys.readouterr().out
+    image = Image.new("RGB", (32, 32), (200, 30, 30))
+    for task in range(5):
+        folder = tmp_path / f"task-{task}"
+        assert json.loads((folder / "config.json").read_text())["architectures"] == [FAMILIES[family].plain_architecture]
+        classifier = pipeline("zero-shot-image-classification", model=str(folder))
+        scores = classifier(image, candidate_labels=["a photo of the digit 0", "a photo of the digit 1"])
+        assert len(scores) == 2 and all(0.0 <= s["score"] <= 1.0 for s in scores)
