@@ -100,7 +100,7 @@ def train_language_bpe(
     data = json.loads(trained.backend_tokenizer.to_str())
     pinned = set(finals)
     data["added_tokens"] = [token for token in data["added_tokens"] if token["content"] not in pinned]
-    return _rebuild(base_tokenizer, data)
+    return rebuild_tokenizer(base_tokenizer, data)
 
 
 def _word_final_symbols(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> set[str]:
@@ -196,7 +196,7 @@ def protected_pairs(tokenizer: PreTrainedTokenizerBase, texts: Iterable[str]) ->
     return pairs
 
 
-def _rebuild(tokenizer: PreTrainedTokenizerBase, data: dict[str, Any]) -> PreTrainedTokenizerBase:
+def rebuild_tokenizer(tokenizer: PreTrainedTokenizerBase, data: dict[str, Any]) -> PreTrainedTokenizerBase:
     """A tokenizer of the same class and settings with a new backend, built the way transformers' own
     `train_new_from_iterator` builds one (init kwargs + `tokenizer_object`)."""
     kwargs = dict(tokenizer.init_kwargs)
@@ -219,7 +219,7 @@ def copy_tokenizer(tokenizer: PreTrainedTokenizerBase, **overrides: Any) -> PreT
     `model_max_length` replace settings). `copy.deepcopy` is not used: it loses the decode wrapper CLIPTokenizer
     installs on its backend (decoded text would keep the `</w>` suffixes)."""
     data = json.loads(tokenizer.backend_tokenizer.to_str())
-    copied = _rebuild(tokenizer, data)
+    copied = rebuild_tokenizer(tokenizer, data)
     for name, value in overrides.items():
         setattr(copied, name, value)
     return copied
@@ -293,7 +293,7 @@ def extend_tokenizer(
 
     old["model"]["vocab"] = vocab
     old["model"]["merges"] = [list(pair) for pair in old_merges + appended]
-    grown = _rebuild(tokenizer, old)
+    grown = rebuild_tokenizer(tokenizer, old)
     if len(grown) != len(tokenizer) + len(new_ids):
         raise RuntimeError(f"Merged tokenizer has {len(grown)} tokens, expected {len(tokenizer) + len(new_ids)}")
     logger.info("Vocabulary %d -> %d tokens (%s)", len(tokenizer), len(grown), stats.to_dict())

@@ -28,6 +28,8 @@ from hf_ccl.families import (
 )
 from hf_ccl.losses import positive_mask, sigmoid_contrastive_loss
 from hf_ccl.methods import build_methods
+from hf_ccl.methods.distillation import student_similarity
+from hf_ccl.methods.lwf import lwf_kl
 from hf_ccl.run import check_config
 from hf_ccl.testing import tiny_model
 from hf_ccl.validation import ConfigError
@@ -152,6 +154,26 @@ def test_siglip_texts_are_padded_to_max_length_without_a_mask(tokenizer):
     beside = encode_texts(model, tokenizer, ["a dog", "a much longer caption of a dog in the snow"], max_length=16)
     torch.testing.assert_close(alone[0], beside[0], rtol=1e-5, atol=1e-6)
     assert model.text_inputs(torch.ones(1, 4, dtype=torch.long), torch.ones(1, 4)).keys() == {"input_ids"}
+
+
+def test_the_softmax_distillation_terms_do_not_see_siglip_bias(tokenizer):
+    """What the docstring says Mod-X and LwF mean on SigLIP: Mod-X reads raw cosines (no scale, no bias) and LwF's
+    row-wise softmax of t*cos + b does not change with b, while the sigmoid task loss does."""
+    model = tiny_model("siglip", seed=0)
+    tokens = tokenizer(TEXTS, padding="max_length", max_length=16, truncation=True, return_tensors="pt")
+    pixels = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    model.eval()
+    old = torch.randn(3, 3, generator=torch.Generator().manual_seed(1))
+    terms = []
+    with torch.no_grad():
+        for shift in (0.0, 5.0):
+            model.logit_bias.add_(shift)
+            out = model(input_ids=tokens["input_ids"], pixel_values=pixels, return_loss=True)
+            terms.append((out.loss, student_similarity(out), lwf_kl(old, out.global_logits_per_image, ["i2t", "t2i"])))
+    (loss, cosines, kl), (shifted_loss, shifted_cosines, shifted_kl) = terms
+    assert abs(loss.item() - shifted_loss.item()) > 1.0
+    torch.testing.assert_close(cosines, shifted_cosines)
+    torch.testing.assert_close(kl, shifted_kl, rtol=1e-5, atol=1e-6)
 
 
 # ----- configs and refusals -----------------------------------------------------------------------------------------

@@ -3,8 +3,10 @@
 At the start of every task (spec `cllclip.md` §2.2 and §3.1, paper "Approach › Vocab Substitution" and "TEIR ›
 Initialization"):
 1. a CLIP-style byte-level BPE V̂_t is trained on the task's training captions (`train_language_bpe`, 10K tokens);
-2. it is merged into the current tokenizer, old ids unchanged, new tokens appended (`extend_tokenizer`); the English
-   captions of the task's images (`texts_en`) are protected, so English keeps its exact tokenization;
+   for a SentencePiece (Unigram) tokenizer (SigLIP, XLM-R for AltCLIP), a Unigram V̂_t (`train_language_unigram`);
+2. it is merged into the current tokenizer, old ids unchanged, new tokens appended (`extend_tokenizer`; a Unigram's
+   new pieces with their scores, `extend_unigram_tokenizer`); the English captions of the task's images (`texts_en`)
+   are protected, so English keeps its exact tokenization;
 3. the token embedding grows by the new rows, initialised i.i.d. N(μ, σ²) with the scalar mean and (unbiased) std of
    the whole previous table (`init="teir"`, TEIR's "identical distribution"), HF's mean-resizing (`"hf"`), or
    N(0, `init_std`²) (`"fixed"`, the paper's baseline without TEIR);
@@ -43,6 +45,7 @@ from ..tokenization import (
     train_language_bpe,
     vocabulary_report,
 )
+from ..tokenization_unigram import extend_unigram_tokenizer, tokenizer_model_type, train_language_unigram
 from ..validation import check_range
 from .base import ContinualMethod, MethodConfig, TaskContext
 from .registry import register_method
@@ -168,19 +171,35 @@ class GrowVocab(ContinualMethod):
             return
         texts = column_texts(context.task.train, "texts")
         protect = self._protected_texts(context)
-        language_bpe = train_language_bpe(
-            texts, self.config.vocab_size, tokenizer, min_frequency=self.config.min_frequency
-        )
-        grown, new_ids, stats = extend_tokenizer(tokenizer, language_bpe, protect_texts=protect, return_stats=True)
+        grown, new_ids, stats = self._grow_tokenizer(tokenizer, texts, protect)
         init_stats = self._grow_embedding(context, len(tokenizer), len(grown), new_ids)
         report = self._report(tokenizer, grown, name, texts, protect)
         tokens = grown.convert_ids_to_tokens(new_ids)
-        self._record(context, grown, new_ids, tokens, stats.to_dict() | {"init": init_stats}, report)
+        self._record(context, grown, new_ids, tokens, stats | {"init": init_stats}, report)
         logger.info("grow_vocab, task %d (%s): %d -> %d tokens, %s", context.task_index, name, len(tokenizer),
                     len(grown), report.get("languages", {}).get(name, {}))
         context.replace_tokenizer(grown, list(new_ids))
 
     # ----- steps -------------------------------------------------------------------------------------------
+    def _grow_tokenizer(
+        self, tokenizer: Any, texts: list[str], protect: list[str] | None
+    ) -> tuple[Any, list[int], dict[str, Any]]:
+        """V_t = V_{t-1} ∪ V̂_t for the tokenizer's model: CLIP's byte-level BPE (merges appended), or a SentencePiece
+        Unigram (SigLIP, XLM-R: pieces appended with their scores, `hf_ccl.tokenization_unigram`)."""
+        kind = tokenizer_model_type(tokenizer)
+        if kind == "Unigram":
+            if self.config.min_frequency:
+                raise ValueError("grow_vocab min_frequency is the BPE trainer's; a Unigram (SentencePiece) tokenizer "
+                                 "has none: leave it at 0")
+            language = train_language_unigram(texts, self.config.vocab_size, tokenizer)
+            return extend_unigram_tokenizer(tokenizer, language, protect_texts=protect)
+        if kind != "BPE":
+            raise ValueError(f"grow_vocab grows byte-level BPE (CLIP) and Unigram (SentencePiece) tokenizers, not "
+                             f"{kind}")
+        language_bpe = train_language_bpe(texts, self.config.vocab_size, tokenizer, min_frequency=self.config.min_frequency)
+        grown, new_ids, stats = extend_tokenizer(tokenizer, language_bpe, protect_texts=protect, return_stats=True)
+        return grown, new_ids, stats.to_dict()
+
     def _grow_context(self, context: TaskContext, tokenizer: Any) -> Any:
         """Grow the position embedding (once) and give the tokenizer the new limit; returns the tokenizer to use."""
         length = self.config.context_length
