@@ -59,20 +59,32 @@ REPRESENTATIVE_MATRIX = [name if name in REPRESENTATIVE else pytest.param(name, 
                          for name in METHODS]
 #: Methods that train pair tasks only (learner heads on cached features): they run on a pair stream.
 PAIR_ONLY = {name for name in METHODS if "learner_heads" in METHOD_CLASSES[name].roles}
-#: Methods every other family runs by default in the exact-resume matrix (one of each kind: the papers' methods, a
-#: penalty, replay, a parameter-efficient adapter, vocabulary growth); the others under `-m slow`.
-FAMILY_DEFAULT_METHODS = {"finetune", "modx", "ctp", "ewc", "derpp", "lora", "teir", "learner_heads"}
+#: The other families (CLIP runs `MATRIX`).
+OTHER_FAMILIES = [family for family in FAMILIES if family != "clip"]
+
+
+#: What each other family runs by default (everything else under `-m slow`): `finetune` on each, and every other
+#: `REPRESENTATIVE` step mechanism on one family, SigLIP (the sigmoid loss) taking the distillation and replay ones.
+FAMILY_DEFAULTS = {
+    "siglip": {"finetune", "modx", "ctp", "derpp", "ewc", "agem"},
+    "altclip": {"finetune", "cllclip", "teir", "lora"},
+    "chinese_clip": {"finetune", "dns", "learner_heads", "gem"},
+    "metaclip_2": {"finetune", "si"},
+}
+assert set(FAMILY_DEFAULTS) == set(OTHER_FAMILIES), "FAMILY_DEFAULTS names every other family"
+assert REPRESENTATIVE <= set().union(*FAMILY_DEFAULTS.values()), "a representative method runs on no other family"
+
+
 #: (family, method) for every supported family and every method it does not refuse (`unsupported_methods`):
-#: CLIP runs `MATRIX`; the other families `FAMILY_DEFAULT_METHODS` by default and the rest under `-m slow`.
+#: CLIP runs `MATRIX`; the other families `FAMILY_DEFAULTS` by default, everything else under `-m slow`.
 FAMILY_MATRIX = [
     pytest.param(family, method.values[0] if hasattr(method, "values") else method,
                  marks=getattr(method, "marks", ()), id=f"{family}-{getattr(method, 'values', [method])[0]}")
     for family in ("clip",) for method in MATRIX
 ] + [
     pytest.param(family, name, id=f"{family}-{name}",
-                 marks=() if name in FAMILY_DEFAULT_METHODS else pytest.mark.slow)
-    for family, cls in FAMILIES.items() if family != "clip"
-    for name in METHODS if name not in cls.unsupported_methods
+                 marks=() if name in FAMILY_DEFAULTS[family] else pytest.mark.slow)
+    for family in OTHER_FAMILIES for name in METHODS if name not in FAMILIES[family].unsupported_methods
 ]
 
 

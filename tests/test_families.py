@@ -209,7 +209,8 @@ def test_the_families_image_processors():
 
 
 # ----- a run through the CLI, and the pipeline on every task revision -----------------------------------------------
-@pytest.mark.parametrize("family", [family for family in FAMILIES if family != "clip"])
+@pytest.mark.parametrize("family", [family if family == "siglip" else pytest.param(family, marks=pytest.mark.slow)
+                                    for family in FAMILIES if family != "clip"])
 def test_the_default_recipe_runs_every_family_and_the_pipeline_reads_every_task(tmp_path, capsys, family):
     """`hf-ccl train --config digits model.family=<family>`: trains, evaluates and saves each task; every task
     folder works with `pipeline("zero-shot-image-classification")` (SigLIP's pads to max_length itself)."""
