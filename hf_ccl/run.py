@@ -27,6 +27,7 @@ from .families import (
     check_family_methods,
     default_image_processor,
     family_class,
+    family_of,
     load_continual_model,
     tiny_config,
 )
@@ -50,15 +51,21 @@ def load_model(config: RunConfig) -> ContinualDualEncoder:
 
 
 def config_family(config: RunConfig) -> str | None:
-    """The family the run's model will have, when it is known without downloading: `model.family`, a local
-    checkpoint's `model_type`, or CLIP for a random model; None for a Hub id without `model.family`."""
+    """The family the run's model will have, when it is known without downloading: a local checkpoint's
+    `model_type` (which `model.family`, if given, must match), `model.family`, or CLIP for a random model; None for
+    a Hub id without `model.family`."""
     pretrained, family = config.model.get("pretrained"), config.model.get("family")
-    if family is not None or not pretrained:
-        return family or "clip"
-    path = Path(pretrained) / "config.json"
-    if path.is_file():
-        return str(json.loads(path.read_text(encoding="utf-8")).get("model_type"))
-    return None
+    path = Path(pretrained) / "config.json" if pretrained else None
+    if path is None or not path.is_file():
+        return family or ("clip" if not pretrained else None)
+    found = json.loads(path.read_text(encoding="utf-8")).get("model_type")
+    try:
+        found = family_of(str(found))
+        if family is not None and family_of(family) != found:
+            raise ValueError(f"model.family is {family!r} but {pretrained} is a {found!r} checkpoint")
+    except ValueError as error:
+        raise ConfigError(f"model.pretrained: {error}", "model.pretrained") from None
+    return found
 
 
 def _has_file(path: str | None, name: str) -> bool:

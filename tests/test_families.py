@@ -233,3 +233,31 @@ def test_the_default_recipe_runs_every_family_and_the_pipeline_reads_every_task(
         classifier = pipeline("zero-shot-image-classification", model=str(folder))
         scores = classifier(image, candidate_labels=["a photo of the digit 0", "a photo of the digit 1"])
         assert len(scores) == 2 and all(0.0 <= s["score"] <= 1.0 for s in scores)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_lora_targets_the_attention_and_mlp_layers_of_every_family(family):
+    """CLIP's names (`q_proj`, ..., `fc2`) reach every layer of both towers, BERT-style text layers included."""
+    from hf_ccl.methods.lora import LoRAMethodConfig, inject_lora
+
+    model = tiny_model(family)
+    linears = {name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)
+               and (".encoder.layer" in name)}
+    inject_lora(model, LoRAMethodConfig(target_modules=["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"])
+                .to_peft())
+    adapted = {name.removesuffix(".lora_A") for name, _ in model.named_modules() if name.endswith(".lora_A")}
+    assert adapted == linears and len(adapted) == 12  # 6 per layer, 1 layer per tower
+
+
+def test_a_run_starts_from_a_saved_checkpoint_of_another_family(saved, tmp_path):
+    """`model.pretrained: <a SigLIP folder>` loads it into its family's class, checked against `model.family`."""
+    from hf_ccl.cli import main
+
+    overrides = [f"output_dir={tmp_path / 'run'}", "progress=false", "training.max_steps=1",
+                 "training.per_device_train_batch_size=8", "stream_args.max_train_per_task=16",
+                 "stream_args.max_eval_per_task=8", f"model.pretrained={saved / 'siglip'}", "model.config={}",
+                 "tokenizer=null"]
+    assert main(["train", "--config", "digits", *overrides, "model.family=clip"]) == 2  # refused: it is a SigLIP
+    assert main(["train", "--config", "digits", *overrides]) == 0
+    config = json.loads((tmp_path / "run" / "task-4" / "config.json").read_text())
+    assert config["architectures"] == ["SiglipModel"] and config["model_type"] == "siglip"
