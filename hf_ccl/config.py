@@ -15,7 +15,8 @@ from typing import Any
 import yaml
 
 from .continual import ContinualArguments
-from .families import FAMILIES, family_of, tiny_config
+from .families import FAMILIES, family_of
+from .modeling import tiny_clip_config
 from .validation import (
     ConfigError,
     check_dataclass,
@@ -125,7 +126,7 @@ class RunConfig:
                 raise ConfigError(f"model.family: {error}", "model.family") from None
         model_config = check_value("model.config", self.model["config"], dict[str, Any] | None) or {}
         known_keys(model_config, TINY_CONFIG_KEYS, "model.config option(s)")
-        self.model["config"] = check_mapping(model_config, type_hints(tiny_config), "model.config.")
+        self.model["config"] = check_mapping(model_config, type_hints(tiny_clip_config), "model.config.")
         check_model_config(self.model["config"], family or "clip")
         if self.model["pretrained"] is not None and self.model["config"]:
             raise ConfigError("model.config describes a random model and has no effect with model.pretrained: "
@@ -144,8 +145,8 @@ class RunConfig:
 
 
 MODEL_KEYS = ("pretrained", "config", "family")
-#: The options of a random model (`model.config`): `tiny_config`'s, its family given by `model.family`.
-TINY_CONFIG_KEYS = [name for name in inspect.signature(tiny_config).parameters if name != "family"]
+#: The options of a random model (`model.config`, for `families.tiny_config`): `tiny_clip_config`'s, for any family.
+TINY_CONFIG_KEYS = list(inspect.signature(tiny_clip_config).parameters)
 
 
 def continual_fields() -> list[str]:

@@ -17,11 +17,11 @@ small random configs the tests and the default run use. SigLIP 2 (NaFlex inputs:
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
 import torch
-from torch import nn
 from transformers import (
     AltCLIPConfig,
     AltCLIPModel,
@@ -180,34 +180,27 @@ def load_continual_model(name_or_path: str, family: str | None = None, **kwargs:
     return FAMILIES[found].from_pretrained(name_or_path, **kwargs)  # type: ignore[attr-defined, no-any-return]
 
 
-def tiny_config(
-    family: str = "clip",
-    vocab_size: int = 49408,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 2,
-    image_size: int = 32,
-    patch_size: int = 8,
-    projection_dim: int = 64,
-    max_position_embeddings: int = 77,
-    bos_token_id: int = 49406,
-    eos_token_id: int = 49407,
-    pad_token_id: int = 49407,
-) -> PretrainedConfig:
-    """A small randomly initialisable config of `family` with the given sizes and the bundled CLIP tokenizer's
-    vocabulary and special-token ids (no other family's tokenizer is available offline; ENVIRONMENT.md).
+def tiny_config(family: str = "clip", **sizes: int) -> PretrainedConfig:
+    """A small randomly initialisable config of `family` with `tiny_clip_config`'s options and defaults (sizes, and the
+    bundled CLIP tokenizer's vocabulary and special-token ids: no other family's tokenizer is available offline;
+    ENVIRONMENT.md).
 
     SigLIP's embedding size is its hidden size (no projection): `projection_dim` must equal `hidden_size` there.
     """
+    defaults = {name: p.default for name, p in inspect.signature(tiny_clip_config).parameters.items()}
+    unknown = sorted(set(sizes) - set(defaults))
+    if unknown:
+        raise TypeError(f"tiny_config got unknown option(s) {unknown}; valid: {', '.join(defaults)}")
+    values = {**defaults, **sizes}
+    hidden_size, projection_dim = values["hidden_size"], values["projection_dim"]
     family = family_of(family)
     if family == "clip":
-        return tiny_clip_config(vocab_size, hidden_size, num_layers, num_heads, image_size, patch_size, projection_dim,
-                                max_position_embeddings, bos_token_id, eos_token_id, pad_token_id)
-    layers = {"hidden_size": hidden_size, "intermediate_size": 4 * hidden_size, "num_hidden_layers": num_layers,
-              "num_attention_heads": num_heads}
-    vision = {**layers, "image_size": image_size, "patch_size": patch_size}
-    special = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
-    text = {**layers, **special, "vocab_size": vocab_size, "max_position_embeddings": max_position_embeddings}
+        return tiny_clip_config(**values)
+    layers = {"hidden_size": hidden_size, "intermediate_size": 4 * hidden_size,
+              "num_hidden_layers": values["num_layers"], "num_attention_heads": values["num_heads"]}
+    vision = {**layers, "image_size": values["image_size"], "patch_size": values["patch_size"]}
+    text = {**layers, **{key: values[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id", "vocab_size",
+                                                       "max_position_embeddings")}}
     if family == "metaclip_2":
         return MetaClip2Config(text_config=text, vision_config=vision, projection_dim=projection_dim)
     if family == "siglip":
@@ -218,13 +211,10 @@ def tiny_config(
     if family == "altclip":
         # RoBERTa numbers positions from its padding id + 1 (XLM-R's pad is 1), so the position table needs 2 more
         # rows; token 1 is then the padding row of the word embedding (zero, untrained) in this test config.
-        text = {**text, "project_dim": hidden_size, "pad_token_id": 1, "max_position_embeddings": max_position_embeddings + 2}
+        text = {**text, "project_dim": hidden_size, "pad_token_id": 1,
+                "max_position_embeddings": values["max_position_embeddings"] + 2}
         return AltCLIPConfig(text_config=text, vision_config=vision, projection_dim=projection_dim)
     return ChineseCLIPConfig(text_config=text, vision_config=vision, projection_dim=projection_dim)
-
-
-def is_dual_encoder(model: nn.Module) -> bool:
-    return isinstance(model, ContinualDualEncoder)
 
 
 def check_family_methods(family: str | ContinualDualEncoder | type[ContinualDualEncoder], methods: Any) -> None:
