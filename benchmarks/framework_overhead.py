@@ -70,8 +70,8 @@ def _plain_model(size: str, family: str, tokenizer) -> torch.nn.Module:  # noqa:
     return plain
 
 
-#: The collator's columns the plain classes take.
-PLAIN_INPUTS = ("input_ids", "attention_mask", "pixel_values")
+#: The collator's text columns the plain classes take (the image ones: the family's `image_input_names`).
+PLAIN_INPUTS = ("input_ids", "attention_mask")
 
 
 def _step_times(stamps: list[float]) -> list[float]:
@@ -82,7 +82,9 @@ def time_plain_loop(size: str, dataset, collator, tokenizer, steps: int, family:
     """A plain PyTorch loop: DataLoader, the plain class's forward with its own loss, backward, clip, AdamW, cosine
     schedule."""
     model = _plain_model(size, family, tokenizer)
-    inputs = [name for name in PLAIN_INPUTS if name != "attention_mask" or family_class(family).text_attention_mask]
+    cls = family_class(family)
+    inputs = [name for name in PLAIN_INPUTS if name != "attention_mask" or cls.text_attention_mask]
+    inputs += list(cls.image_input_names)
     model.train()
     loader = DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=True, collate_fn=collator, drop_last=False)
     # The Trainer's own defaults: fused AdamW, no weight decay on biases and norms.

@@ -152,7 +152,8 @@ def forward_macs_per_sample(model: torch.nn.Module, batch: dict[str, Any]) -> fl
     if "features_a" in batch:
         inputs = {key: batch[key] for key in ("features_a", "features_b", "modality_a", "modality_b")}
     else:
-        inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "pixel_values") if key in batch}
+        names = ("input_ids", "attention_mask", *getattr(model, "image_input_names", ("pixel_values",)))
+        inputs = {key: batch[key] for key in names if key in batch}
     count = len(inputs.get("pixel_values", inputs.get("features_a")))
     was_training = model.training
     model.eval()

@@ -166,7 +166,7 @@ def check_model_config(values: dict[str, Any], family: str = "clip") -> None:
     if patch > image:
         raise ConfigError(f"model.config.patch_size ({patch}) must not exceed model.config.image_size ({image})")
     projection = values.get("projection_dim", 64)
-    if family == "siglip" and projection != hidden:
+    if family in ("siglip", "siglip2") and projection != hidden:
         raise ConfigError(f"model.config.projection_dim ({projection}) must equal model.config.hidden_size ({hidden}): "
                           "a SigLIP embeds into its hidden size", "model.config.projection_dim")
 

@@ -5,14 +5,14 @@
 | clip | `ContinualCLIPModel` (`CLIPModel`) | softmax | EOS token, longest | visual_projection, text_projection |
 | metaclip_2 | `ContinualMetaClip2Model` (`MetaClip2Model`) | softmax | EOS token, longest | visual_projection, text_projection |
 | siglip | `ContinualSiglipModel` (`SiglipModel`) | sigmoid, learned bias | last position, max_length, no mask | text_model.head (image: none) |
+| siglip2 | `ContinualSiglip2Model` (`Siglip2Model`) | sigmoid, learned bias | as SigLIP; NaFlex images | text_model.head (image: none) |
 | altclip | `ContinualAltCLIPModel` (`AltCLIPModel`) | softmax | first token (XLM-R), longest | visual_projection, text_projection |
 | chinese_clip | `ContinualChineseCLIPModel` (`ChineseCLIPModel`) | softmax | first token (BERT), longest | visual_projection, text_projection |
 
 Each keeps its parent's `from_pretrained` / `save_pretrained`: a saved checkpoint names the plain class in
 `architectures` and loads with it (or `AutoModel`) in a Python without hf_ccl. `family_of` finds the family from a
 config (`model_type`), `load_continual_model` loads any checkpoint into its family's class, and `tiny_config` gives the
-small random configs the tests and the default run use. SigLIP 2 (NaFlex inputs: `pixel_attention_mask`,
-`spatial_shapes`) is not supported yet: `family_of` refuses it by name.
+small random configs the tests and the default run use.
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ from transformers import (
     MetaClip2Model,
     PretrainedConfig,
     PreTrainedTokenizerBase,
+    Siglip2Config,
+    Siglip2ImageProcessorPil,
+    Siglip2Model,
     SiglipConfig,
     SiglipImageProcessorPil,
     SiglipModel,
@@ -101,6 +104,42 @@ class ContinualSiglipModel(ContinualDualEncoder, SiglipModel):
         return int(self.config.text_config.projection_size)
 
 
+class ContinualSiglip2Model(ContinualDualEncoder, Siglip2Model):
+    """SigLIP 2: SigLIP's loss, text tower and conventions, with NaFlex images: each image is resized to keep its
+    aspect ratio within `num_patches` patches, and its tower reads the patches (`pixel_values`), their padding mask
+    (`pixel_attention_mask`) and grid (`spatial_shapes`), all three carried by every batch (`image_input_names`).
+    The image cache (fixed-size pixels) does not apply to it. What the softmax-based method terms mean here is as for
+    SigLIP (`ContinualSiglipModel`)."""
+
+    family = "siglip2"
+    plain_architecture = "Siglip2Model"
+    loss_kind = "sigmoid"
+    max_logit_scale = None
+    projection_names = ContinualSiglipModel.projection_names
+    tower_prefixes = ContinualSiglipModel.tower_prefixes
+    text_padding = "max_length"
+    text_attention_mask = False
+    unsupported_methods = ContinualSiglipModel.unsupported_methods
+    image_input_names = ("pixel_values", "pixel_attention_mask", "spatial_shapes")
+
+    def __init__(self, config: Siglip2Config):
+        super().__init__(config)
+        self._init_continual()
+        with torch.no_grad():
+            self.logit_scale.fill_(math.log(10.0))
+            self.logit_bias.fill_(-10.0)
+
+    @property
+    def embed_dim(self) -> int:
+        return int(self.config.text_config.projection_size)
+
+    @property
+    def image_size(self) -> int:
+        """The side of a square image that fills the `num_patches` patches."""
+        vision = self.config.vision_config
+        return int(math.isqrt(vision.num_patches) * vision.patch_size)
+
+
 class _FirstTokenTextFamily(ContinualDualEncoder):
     """Families whose text tower is a BERT-style encoder pooled at its first token (AltCLIP, Chinese-CLIP)."""
 
@@ -145,13 +184,8 @@ class ContinualChineseCLIPModel(_FirstTokenTextFamily, ChineseCLIPModel):
 #: Every supported family by name (its `model_type`).
 FAMILIES: dict[str, type[ContinualDualEncoder]] = {
     cls.family: cls
-    for cls in (ContinualCLIPModel, ContinualSiglipModel, ContinualAltCLIPModel, ContinualChineseCLIPModel,
-                ContinualMetaClip2Model)
-}
-#: Families transformers has that hf_ccl refuses, with the reason.
-UNSUPPORTED_FAMILIES = {
-    "siglip2": "SigLIP 2's NaFlex vision inputs (pixel_attention_mask, spatial_shapes) are not produced by hf_ccl's "
-               "collator yet; use a SigLIP checkpoint",
+    for cls in (ContinualCLIPModel, ContinualSiglipModel, ContinualSiglip2Model, ContinualAltCLIPModel,
+                ContinualChineseCLIPModel, ContinualMetaClip2Model)
 }
 
 
@@ -161,8 +195,6 @@ def family_of(config: PretrainedConfig | dict[str, Any] | str) -> str:
         config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None))
     if model_type in FAMILIES:
         return str(model_type)
-    if model_type in UNSUPPORTED_FAMILIES:
-        raise ValueError(f"model family {model_type!r} is not supported: {UNSUPPORTED_FAMILIES[model_type]}")
     raise ValueError(f"model family {model_type!r} is not supported; supported: {', '.join(FAMILIES)}")
 
 
@@ -203,11 +235,15 @@ def tiny_config(family: str = "clip", **sizes: int) -> PretrainedConfig:
                                                        "max_position_embeddings")}}
     if family == "metaclip_2":
         return MetaClip2Config(text_config=text, vision_config=vision, projection_dim=projection_dim)
-    if family == "siglip":
+    if family in ("siglip", "siglip2"):
         if projection_dim != hidden_size:
             raise ValueError(f"a SigLIP embeds into its hidden size: projection_dim ({projection_dim}) must equal "
                              f"hidden_size ({hidden_size})")
-        return SiglipConfig(text_config=text, vision_config=vision)
+        if family == "siglip":
+            return SiglipConfig(text_config=text, vision_config=vision)
+        side = values["image_size"] // values["patch_size"]  # NaFlex: as many patches as the square image has
+        vision = {key: value for key, value in vision.items() if key != "image_size"} | {"num_patches": side * side}
+        return Siglip2Config(text_config=text, vision_config=vision)
     if family == "altclip":
         # RoBERTa numbers positions from its padding id + 1 (XLM-R's pad is 1), so the position table needs 2 more
         # rows; token 1 is then the padding row of the word embedding (zero, untrained) in this test config.
@@ -235,4 +271,7 @@ def default_image_processor(model: ContinualDualEncoder) -> Any:
     size = model.image_size
     if model.family == "siglip":
         return SiglipImageProcessorPil(size={"height": size, "width": size})
+    if model.family == "siglip2":
+        vision = model.config.vision_config
+        return Siglip2ImageProcessorPil(patch_size=vision.patch_size, max_num_patches=vision.num_patches)
     return load_image_processor(size)

@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -154,6 +155,9 @@ class ContinualDualEncoder:
     text_attention_mask: ClassVar[bool] = True
     #: Methods that cannot work on this family, each with the reason (refused before training).
     unsupported_methods: ClassVar[dict[str, str]] = {}
+    #: The image tower's inputs, as the family's image processor returns them (`pixel_values`; SigLIP 2's NaFlex
+    #: adds the patches' mask and grid). Every batch of images carries all of them (`image_inputs`).
+    image_input_names: ClassVar[tuple[str, ...]] = ("pixel_values",)
 
     config: Any
     logit_scale: nn.Parameter
@@ -249,9 +253,24 @@ class ContinualDualEncoder:
         return configs
 
     # ----- embeddings --------------------------------------------------------------------------------------
-    def embed_images(self, pixel_values: torch.Tensor, normalize: bool = True) -> torch.Tensor:
-        """Projected image embeddings [B, embed_dim]."""
-        embeds = as_embedding(self.get_image_features(pixel_values=pixel_values))  # type: ignore[attr-defined]
+    def image_inputs(
+        self, batch: Mapping[str, Any], rows: torch.Tensor | None = None, device: torch.device | str | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The image tower's inputs of a collated batch (`image_input_names`), optionally only `rows` and on
+        `device`: what `embed_images(**...)` and `get_image_features(**...)` take."""
+        missing = [name for name in self.image_input_names if name not in batch]
+        if missing:
+            raise ValueError(f"the {self.family} image tower needs {missing} in the batch (from its image processor)")
+        inputs = {name: batch[name] for name in self.image_input_names}
+        if rows is not None:
+            inputs = {name: value[rows.to(value.device)] for name, value in inputs.items()}
+        return inputs if device is None else {name: value.to(device) for name, value in inputs.items()}
+
+    def embed_images(
+        self, pixel_values: torch.Tensor, normalize: bool = True, **image_inputs: torch.Tensor
+    ) -> torch.Tensor:
+        """Projected image embeddings [B, embed_dim]; `image_inputs`: the tower's other inputs (SigLIP 2)."""
+        embeds = as_embedding(self.get_image_features(pixel_values=pixel_values, **image_inputs))  # type: ignore[attr-defined]
         return nn.functional.normalize(embeds, dim=-1) if normalize else embeds
 
     def text_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> dict[str, Any]:
@@ -304,7 +323,8 @@ class ContinualDualEncoder:
             if features_a is None or features_b is None or modality_a is None or modality_b is None:
                 raise ValueError("a pair batch needs features_a, features_b, modality_a and modality_b")
             return self.learner_heads(modality_a, modality_b, features_a, features_b, return_loss=bool(return_loss))
-        image_features = as_embedding(self.get_image_features(pixel_values=pixel_values))  # type: ignore[attr-defined]
+        image_inputs = {name: kwargs.pop(name) for name in self.image_input_names[1:] if name in kwargs}
+        image_features = as_embedding(self.get_image_features(pixel_values=pixel_values, **image_inputs))  # type: ignore[attr-defined]
         text_inputs = self.text_inputs(input_ids, attention_mask)  # type: ignore[arg-type]
         if position_ids is not None:
             text_inputs["position_ids"] = position_ids

@@ -67,8 +67,9 @@ OTHER_FAMILIES = [family for family in FAMILIES if family != "clip"]
 #: `REPRESENTATIVE` step mechanism on one family, SigLIP (the sigmoid loss) taking the distillation and replay ones.
 FAMILY_DEFAULTS = {
     "siglip": {"finetune", "modx", "ctp", "derpp", "ewc", "agem"},
-    "altclip": {"finetune", "cllclip", "teir", "lora"},
-    "chinese_clip": {"finetune", "dns", "learner_heads", "gem"},
+    "siglip2": {"finetune", "cllclip", "gem"},
+    "altclip": {"finetune", "teir", "lora"},
+    "chinese_clip": {"finetune", "dns", "learner_heads"},
     "metaclip_2": {"finetune", "si"},
 }
 assert set(FAMILY_DEFAULTS) == set(OTHER_FAMILIES), "FAMILY_DEFAULTS names every other family"

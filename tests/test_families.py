@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoConfig, SiglipConfig, SiglipModel
+from transformers import AutoConfig, Siglip2Config, SiglipConfig, SiglipModel
 
 from hf_ccl.config import RunConfig
 from hf_ccl.data import load_tokenizer
@@ -31,7 +31,7 @@ from hf_ccl.methods import build_methods
 from hf_ccl.methods.distillation import student_similarity
 from hf_ccl.methods.lwf import lwf_kl
 from hf_ccl.run import check_config
-from hf_ccl.testing import tiny_model
+from hf_ccl.testing import random_image_inputs, tiny_model
 from hf_ccl.validation import ConfigError
 
 TEXTS = ["a photo of a dog", "a sketch of a house", "zwei Hunde im Schnee"]
@@ -55,13 +55,13 @@ def saved(tmp_path_factory, tokenizer):
         model.eval()
         model.save_pretrained(folder / family)
         tokens = tokenizer(TEXTS, padding=model.text_padding, max_length=16, truncation=True, return_tensors="pt")
-        pixels = torch.randn(2, 3, model.image_size, model.image_size, generator=torch.Generator().manual_seed(1))
+        images = random_image_inputs(model, seed=1)
         with torch.no_grad():
             expected[family] = {
                 "inputs": {k: v.tolist() for k, v in model.text_inputs(tokens["input_ids"], tokens["attention_mask"]).items()},
-                "pixels": pixels.tolist(),
+                "images": {name: value.tolist() for name, value in images.items()},
                 "text": model.embed_texts(tokens["input_ids"], tokens["attention_mask"], normalize=False).tolist(),
-                "image": model.embed_images(pixels, normalize=False).tolist(),
+                "image": model.embed_images(**images, normalize=False).tolist(),
             }
     (folder / "expected.json").write_text(json.dumps(expected))
     return folder
@@ -76,7 +76,7 @@ for family, values in expected.items():
     inputs = {k: torch.tensor(v) for k, v in values["inputs"].items()}
     with torch.no_grad():
         text = model.get_text_features(**inputs).pooler_output
-        image = model.get_image_features(pixel_values=torch.tensor(values["pixels"])).pooler_output
+        image = model.get_image_features(**{k: torch.tensor(v) for k, v in values["images"].items()}).pooler_output
     torch.testing.assert_close(text, torch.tensor(values["text"]), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(image, torch.tensor(values["image"]), rtol=1e-5, atol=1e-6)
     print(family, type(model).__name__)
@@ -103,12 +103,24 @@ def test_load_continual_model_picks_the_family_and_checks_model_family(saved):
         load_continual_model(str(saved / "clip"), family="siglip")
 
 
-def test_siglip_2_and_unknown_families_are_refused_by_name():
-    with pytest.raises(ValueError, match="siglip2.*NaFlex"):
-        family_of("siglip2")
-    with pytest.raises(ValueError, match="supported: clip, siglip"):
+def test_an_unknown_family_is_refused_by_name():
+    with pytest.raises(ValueError, match="'blip' is not supported; supported: clip, siglip, siglip2"):
         family_of("blip")
-    assert family_of(SiglipConfig()) == "siglip"
+    assert family_of(SiglipConfig()) == "siglip" and family_of(Siglip2Config()) == "siglip2"
+
+
+def test_siglip_2_batches_carry_its_naflex_inputs(tokenizer):
+    """SigLIP 2's collated batch holds the patches, their mask and grid; its forward and `embed_images` read them."""
+    from hf_ccl.data import CLIPCollator, build_stream
+
+    model = tiny_model("siglip2")
+    task = build_stream("digits", max_train_per_task=4).tasks[0]
+    batch = CLIPCollator(default_image_processor(model), tokenizer, padding="max_length", max_length=16)(
+        [task.train[i] for i in range(4)])
+    assert batch["pixel_values"].shape == (4, 16, 3 * 8 * 8) and batch["spatial_shapes"].tolist() == [[4, 4]] * 4
+    assert batch["input_ids"].shape == (4, 16)
+    out = model(**batch, return_loss=True)
+    torch.testing.assert_close(out.image_embeds, model.embed_images(**model.image_inputs(batch)))
 
 
 # ----- SigLIP's loss ------------------------------------------------------------------------------------------------

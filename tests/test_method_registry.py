@@ -29,6 +29,7 @@ from transformers import AutoModel
 
 from hf_ccl.families import family_class
 from hf_ccl.methods import build_methods, get_method_class, load_method_states
+from hf_ccl.testing import random_image_inputs
 from hf_ccl.validation import ConfigError
 
 # ----- exact resume -------------------------------------------------------------------------------------------------
@@ -73,12 +74,12 @@ def assert_plain_class_matches(folder: Path, family: str, tokenizer: Any) -> Non
     tokens = tokenizer(["a photo of a seven", "ein Hund"], padding=ours.text_padding, max_length=16, truncation=True,
                        return_tensors="pt")
     inputs = ours.text_inputs(tokens["input_ids"], tokens["attention_mask"])
-    pixels = torch.randn(2, 3, ours.image_size, ours.image_size, generator=torch.Generator().manual_seed(0))
+    images = random_image_inputs(ours)
     with torch.no_grad():
         torch.testing.assert_close(plain.get_text_features(**inputs).pooler_output,
                                    ours.embed_texts(**inputs, normalize=False), rtol=0, atol=0)
-        torch.testing.assert_close(plain.get_image_features(pixel_values=pixels).pooler_output,
-                                   ours.embed_images(pixels, normalize=False), rtol=0, atol=0)
+        torch.testing.assert_close(plain.get_image_features(**images).pooler_output,
+                                   ours.embed_images(**images, normalize=False), rtol=0, atol=0)
 
 
 def _results(learner) -> list[float]:

@@ -70,8 +70,9 @@ def resolve_max_length(tokenizer: Any, max_length: int | None = None) -> int:
 class CLIPCollator:
     """Turn a list of canonical rows (`image`, `texts`, `image_id`) into CLIP inputs.
 
-    Returns `pixel_values`, `input_ids`, `attention_mask` (padded to the longest caption in the batch, or to `max_length` with `padding="max_length"`, truncated to
-    `max_length`) and int64 `text_hash` / `image_hash` (stable hashes of the chosen caption and of `image_id`): two
+    Returns the image processor's outputs (`pixel_values`; SigLIP 2's also `pixel_attention_mask` and
+    `spatial_shapes`), `input_ids`, `attention_mask` (padded to the longest caption in the batch, or to `max_length`
+    with `padding="max_length"`, truncated to `max_length`) and int64 `text_hash` / `image_hash` (stable hashes of the chosen caption and of `image_id`): two
     examples are positives when either hash matches. In train mode one caption per example is drawn from `texts`
     with the collator's own seeded generator; in eval mode the first caption is used. Integer columns named in
     `PASSTHROUGH_INT_COLUMNS` (e.g. `buffer_slot`) are passed through as int64 tensors when the rows have them.
@@ -230,30 +231,31 @@ class CLIPCollator:
                 chosen.append(parallel[self._parallel_rng.randrange(len(parallel))] if self.train else parallel[0])
         return chosen
 
-    def pixel_values(self, rows: Sequence[Mapping[str, Any]], ids: Sequence[str]) -> torch.Tensor:
-        """`pixel_values` of the rows: decoded and preprocessed, or (rows of an image cache) converted from their
-        cached uint8 pixels with the same result."""
+    def image_inputs(self, rows: Sequence[Mapping[str, Any]], ids: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The image tower's inputs of the rows: what the image processor returns (`pixel_values`; SigLIP 2's also
+        its patches' mask and grid) for the decoded images, or (rows of an image cache) `pixel_values` converted from
+        their cached uint8 pixels with the same result."""
         cached = [PIXELS_COLUMN in row for row in rows]
         if all(cached):
             if self._lookup is None:
                 self._lookup = pixel_lookup(self.image_processor)
-            return pixels_to_tensor([row[PIXELS_COLUMN] for row in rows], self._lookup,
-                                    output_size(self.image_processor))
+            return {"pixel_values": pixels_to_tensor([row[PIXELS_COLUMN] for row in rows], self._lookup,
+                                                     output_size(self.image_processor))}
         if any(cached):
             raise ValueError("A batch mixes rows of an image cache ('pixels') with rows holding an 'image': cache "
                              "the whole dataset, or none of it")
         images = [decode_image(row["image"], where) for row, where in zip(rows, ids, strict=True)]
-        return self.image_processor(images=images, return_tensors="pt")["pixel_values"]
+        return dict(self.image_processor(images=images, return_tensors="pt"))
 
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         ids = [str(row.get("image_id", index)) for index, row in enumerate(rows)]
-        pixels = self.pixel_values(rows, ids)
+        image_inputs = self.image_inputs(rows, ids)
         texts, indices = self._choose(rows)
         tokens = self.tokenizer(
             texts, padding=self.padding, truncation=True, max_length=self.max_length, return_tensors="pt"
         )
         batch = {
-            "pixel_values": pixels,
+            **image_inputs,
             "input_ids": tokens["input_ids"],
             "attention_mask": tokens["attention_mask"],
             "text_hash": torch.tensor([stable_hash(text) for text in texts], dtype=torch.int64),

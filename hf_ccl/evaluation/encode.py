@@ -88,8 +88,10 @@ def encode_images(
         for batch in _batches(images_column_values, batch_size):
             images = [decode_image(value, f"{where_prefix}/row {row + i}") for i, value in enumerate(batch)]
             row += len(batch)
-            pixel_values = image_processor(images=images, return_tensors="pt")["pixel_values"]
-            output = model.get_image_features(pixel_values=pixel_values.to(device=device, dtype=dtype))
+            processed = image_processor(images=images, return_tensors="pt")
+            inputs = {name: value.to(device=device, dtype=dtype if value.is_floating_point() else value.dtype)
+                      for name, value in processed.items()}  # SigLIP 2: its patches' mask and grid as well
+            output = model.get_image_features(**inputs)
             chunks.append(as_embedding(output).float())
     return torch.cat(chunks) if chunks else _empty(model, device)
 

@@ -193,22 +193,22 @@ class CLLTeacher:
     def features(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """r^I [B, D] of `pixel_values` and r^E [B, D] of `parallel_input_ids`, unnormalised, without gradients."""
         device = self.device
-        pixels = inputs["pixel_values"]
         ids, mask = inputs["parallel_input_ids"], inputs.get("parallel_attention_mask")
         if self.cache and "image_hash" in inputs and "parallel_text_hash" in inputs:
             images = FrozenTeacher._cached(
-                inputs["image_hash"], self._image_cache, lambda rows: self._images(pixels[rows.to(pixels.device)])
+                inputs["image_hash"], self._image_cache,
+                lambda rows: self._images(self.model.image_inputs(inputs, rows, self.device))
             )
             texts = FrozenTeacher._cached(
                 inputs["parallel_text_hash"], self._text_cache,
                 lambda rows: self._texts(ids[rows.to(ids.device)], None if mask is None else mask[rows.to(mask.device)]),
             )
             return images.to(device), texts.to(device)
-        return self._images(pixels), self._texts(ids, mask)
+        return self._images(self.model.image_inputs(inputs, device=self.device)), self._texts(ids, mask)
 
-    def _images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        self.encoded_images += pixel_values.shape[0]
-        return self.model.embed_images(pixel_values.to(self.device), normalize=False)
+    def _images(self, image_inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        self.encoded_images += image_inputs["pixel_values"].shape[0]
+        return self.model.embed_images(**image_inputs, normalize=False)
 
     def _texts(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         self.encoded_texts += input_ids.shape[0]

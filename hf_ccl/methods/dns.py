@@ -232,7 +232,7 @@ def run_batch(model: nn.Module, batch: dict[str, Any]) -> None:
         model(**batch, return_loss=False)
         return
     if "pixel_values" in batch:
-        model.embed_images(batch["pixel_values"], normalize=False)
+        model.embed_images(**model.image_inputs(batch), normalize=False)
     if "input_ids" in batch:
         model.embed_texts(batch["input_ids"], batch.get("attention_mask"), normalize=False)
 

@@ -93,7 +93,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 #: The collated columns the memory loss reads (a pair task's: `FEATURE_COLUMNS`, with its modality names).
-MEMORY_COLUMNS = ("pixel_values", "input_ids", "attention_mask", "text_hash", "image_hash")
+MEMORY_COLUMNS = ("pixel_values", "pixel_attention_mask", "spatial_shapes", "input_ids", "attention_mask",
+                  "text_hash", "image_hash")
 #: Forward + backward of one memory row, in forward passes (`hf_ccl.compute.BACKWARD_FACTOR`).
 PASSES_PER_MEMORY_ROW = 3.0
 
@@ -202,10 +203,13 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
             module.training = training
 
 
-def concat_padded(parts: Sequence[Mapping[str, torch.Tensor]], pad_id: int, side: str) -> dict[str, torch.Tensor]:
+def concat_padded(
+    parts: Sequence[Mapping[str, torch.Tensor]], pad_id: int, side: str, trim: bool = True
+) -> dict[str, torch.Tensor]:
     """Collated batches concatenated row-wise: `input_ids` / `attention_mask` padded (on `side`, with `pad_id` and 0)
-    to one width, then token columns no row attends to dropped, so a subset of collated rows equals the collator's
-    own batch of those rows (it pads to the longest caption)."""
+    to one width, then (`trim`) token columns no row attends to dropped, so a subset of collated rows equals the
+    collator's own batch of those rows when it pads to the longest caption; `trim=False` for a collator that pads to
+    `max_length` (SigLIP's families pool the last position)."""
     keys = list(parts[0])
     out: dict[str, torch.Tensor] = {}
     width = max(part["input_ids"].shape[1] for part in parts) if "input_ids" in parts[0] else 0
@@ -219,7 +223,7 @@ def concat_padded(parts: Sequence[Mapping[str, torch.Tensor]], pad_id: int, side
             values.append(value)
         out[key] = values[0] if len(values) == 1 else torch.cat(values)
     mask = out.get("attention_mask")
-    if mask is not None and "input_ids" in out:
+    if trim and mask is not None and "input_ids" in out:
         used = mask.bool().any(0)
         if not bool(used.all()):
             out["input_ids"], out["attention_mask"] = out["input_ids"][:, used], mask[:, used]
@@ -234,18 +238,23 @@ def _autocast(context: TaskContext, device: torch.device) -> contextlib.Abstract
     return contextlib.nullcontext()
 
 
+def pads_to_longest(context: TaskContext) -> bool:
+    """Whether the task's collator pads texts to the longest in a batch (not to `max_length`, as for SigLIP)."""
+    return getattr(context.collator, "padding", "longest") == "longest"
+
+
 def batch_rows(batch: Mapping[str, Any]) -> int:
     """Rows of a collated batch (its first tensor's; a pair batch also holds its modality names)."""
     return int(next(value for value in batch.values() if isinstance(value, torch.Tensor)).shape[0])
 
 
-def batch_chunks(batch: Mapping[str, Any], size: int) -> Iterator[tuple[dict[str, Any], float]]:
-    """The batch in chunks of `size` rows, each with its share of the rows; a CLIP chunk drops the token columns
-    none of its rows attends (as the collator's batch of those rows would)."""
+def batch_chunks(batch: Mapping[str, Any], size: int, trim: bool = True) -> Iterator[tuple[dict[str, Any], float]]:
+    """The batch in chunks of `size` rows, each with its share of the rows; with `trim`, a CLIP chunk drops the token
+    columns none of its rows attends (as the collator's batch of those rows would, padding to the longest)."""
     rows = batch_rows(batch)
     for start in range(0, rows, size):
         chunk = {k: v[start : start + size] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        if size < rows and "input_ids" in chunk:
+        if trim and size < rows and "input_ids" in chunk:
             chunk = concat_padded([chunk], 0, "right")
         yield chunk, batch_rows(chunk) / rows
 
@@ -440,7 +449,7 @@ class EpisodicMemoryMethod(ContinualMethod):
         tokenizer = getattr(context.collator, "tokenizer", None)
         pad_id = getattr(tokenizer, "pad_token_id", None)
         side = getattr(tokenizer, "padding_side", "right")
-        batch = concat_padded(selected, 0 if pad_id is None else int(pad_id), side)
+        batch = concat_padded(selected, 0 if pad_id is None else int(pad_id), side, trim=pads_to_longest(context))
         if order is not None:
             batch = {k: v.index_select(0, order.to(v.device, non_blocking=True)) for k, v in batch.items()}
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
@@ -476,7 +485,7 @@ class EpisodicMemoryMethod(ContinualMethod):
         total: list[torch.Tensor] = []
         with eval_mode(model), torch.enable_grad(), _autocast(context, device):
             for batch, weight in batches:
-                for chunk, share in batch_chunks(batch, size or batch_rows(batch)):
+                for chunk, share in batch_chunks(batch, size or batch_rows(batch), trim=pads_to_longest(context)):
                     loss = batch_contrastive_loss(model, in_dtype(chunk, dtype)).float() * (weight * share)
                     grads = torch.autograd.grad(loss, list(params), materialize_grads=True)
                     grads = [g.to_dense() if g.is_sparse else g for g in grads]

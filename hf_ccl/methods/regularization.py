@@ -417,7 +417,7 @@ def batch_contrastive_loss(model: ContinualCLIPModel, batch: Mapping[str, torch.
     pair batch (cached features, `learner_heads`), the pair loss (CMCL Eq. 2)."""
     if "features_a" in batch:
         return model(**batch, return_loss=True).loss
-    images = model.embed_images(batch["pixel_values"])
+    images = model.embed_images(**model.image_inputs(batch))
     texts = model.embed_texts(batch["input_ids"], batch.get("attention_mask"))
     logits = model.logits(images, texts)
     mask = positive_mask(batch["text_hash"], batch.get("image_hash")) if "text_hash" in batch else None
@@ -430,7 +430,7 @@ def squared_embedding_norms(model: ContinualCLIPModel, batch: Mapping[str, torch
     if "features_a" in batch:
         outputs = model(**batch, return_loss=False)
         return (outputs.z_a.float().pow(2).sum(-1) + outputs.z_b.float().pow(2).sum(-1)).mean()
-    images = model.embed_images(batch["pixel_values"], normalize=False)
+    images = model.embed_images(**model.image_inputs(batch), normalize=False)
     texts = model.embed_texts(batch["input_ids"], batch.get("attention_mask"), normalize=False)
     return (images.float().pow(2).sum(-1) + texts.float().pow(2).sum(-1)).mean()
 

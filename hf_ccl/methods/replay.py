@@ -332,7 +332,7 @@ class DarkExperienceReplay(ExperienceReplay):
         with evaluating(model):
             for start in range(0, len(rows), batch_size):
                 batch = collator(_row_dicts(rows[start : start + batch_size]))
-                images.append(model.embed_images(batch["pixel_values"].to(device)).float().cpu())
+                images.append(model.embed_images(**model.image_inputs(batch, device=device)).float().cpu())
                 texts.append(
                     model.embed_texts(batch["input_ids"].to(device), batch["attention_mask"].to(device)).float().cpu()
                 )

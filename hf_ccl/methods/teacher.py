@@ -50,7 +50,7 @@ class FrozenTeacher:
         if self.cache and "image_hash" in inputs and "text_hash" in inputs:
             images = self._cached(
                 inputs["image_hash"], self._image_cache,
-                lambda rows: self._embed_images(inputs["pixel_values"][rows].to(device)),
+                lambda rows: self._embed_images(self.model.image_inputs(inputs, rows, device)),
             )
             texts = self._cached(
                 inputs["text_hash"], self._text_cache,
@@ -59,7 +59,7 @@ class FrozenTeacher:
                 ),
             )
             return images.to(device), texts.to(device)
-        images = self._embed_images(inputs["pixel_values"].to(device))
+        images = self._embed_images(self.model.image_inputs(inputs, device=device))
         texts = self._embed_texts(inputs["input_ids"].to(device), _to(inputs.get("attention_mask"), device))
         return images, texts
 
@@ -69,9 +69,9 @@ class FrozenTeacher:
         images, texts = self.embed(inputs)
         return all_gather_no_grad(images), all_gather_no_grad(texts)
 
-    def _embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        self.encoded_images += pixel_values.shape[0]
-        return self.model.embed_images(pixel_values)
+    def _embed_images(self, image_inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        self.encoded_images += image_inputs["pixel_values"].shape[0]
+        return self.model.embed_images(**image_inputs)
 
     def _embed_texts(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         self.encoded_texts += input_ids.shape[0]

@@ -35,6 +35,7 @@ __all__ = [
     "local_hub_endpoint",
     "local_hub_process",
     "tiny_clip",
+    "random_image_inputs",
     "tiny_model",
 ]
 
@@ -56,6 +57,19 @@ def tiny_model(family: str = "clip", seed: int = 0, **overrides: int) -> Continu
 
     torch.manual_seed(seed)
     return family_class(family)(tiny_config(family, **{**TINY_CLIP, **overrides}))  # type: ignore[call-arg]
+
+
+def random_image_inputs(model: ContinualDualEncoder, count: int = 2, seed: int = 0) -> dict[str, Any]:
+    """`count` random RGB images (40 x 48) through the model family's image processor: the image tower's inputs
+    (`pixel_values`; SigLIP 2's also its patches' mask and grid), as `embed_images(**...)` takes them."""
+    import numpy as np
+    from PIL import Image
+
+    from ..families import default_image_processor
+
+    rng = np.random.default_rng(seed)
+    images = [Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)) for _ in range(count)]
+    return dict(default_image_processor(model)(images=images, return_tensors="pt"))
 
 
 class TrainingLogRecorder(TaskCallback):
