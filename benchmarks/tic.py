@@ -92,8 +92,9 @@ def write(runs: list[dict], stream, options, path: Path) -> None:
         "",
         f"Command: `python benchmarks/tic.py --stream {stream.name} --strategies {options.strategies} "
         f"--samples-per-step {options.samples_per_step} --batch-size {options.batch_size} --lr {options.lr} "
-        f"--warmup-steps {options.warmup_steps} --train-per-step {options.train_per_step} "
-        f"--eval-per-step {options.eval_per_step} --patching-validation {options.patching_validation} "
+        f"--warmup-steps {options.warmup_steps} "
+        + (f"--train-per-step {options.train_per_step} " if options.train_per_step is not None else "")
+        + f"--eval-per-step {options.eval_per_step} --patching-validation {options.patching_validation} "
         f"--seeds {options.seeds}`  ",
         f"Random CLIP {MODEL} with the real CLIP vocabulary, trained from scratch on step 1 by every strategy. "
         f"Steps: {', '.join(names)} (train sizes {[len(t.train) for t in stream]}). Compute C = "

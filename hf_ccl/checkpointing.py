@@ -20,11 +20,12 @@ import torch
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 from safetensors.torch import load_file
-from transformers import AutoTokenizer, CLIPProcessor, PreTrainedTokenizerBase, TrainingArguments
+from transformers import CLIPProcessor, PreTrainedTokenizerBase, TrainingArguments
 from transformers.trainer_utils import load_sharded_checkpoint
 
 from . import __version__
 from .checkpoint_files import CheckpointError, checkpoint_is_complete, verify_checkpoint, write_manifest
+from .data.collate import load_tokenizer
 from .distributed import barrier, broadcast_object, is_main_process
 from .evaluation.matrix import ResultsMatrix
 from .evaluation.zeroshot import DEFAULT_TEMPLATES
@@ -114,7 +115,7 @@ def restore(learner: ContinualLearner, folder: str | Path) -> int:
     check_settings(learner, state, folder / CHECKPOINT_STATE, index)
     tokenizer_file = folder / "tokenizer_config.json"
     if tokenizer_file.exists():
-        saved = AutoTokenizer.from_pretrained(str(folder))
+        saved = load_tokenizer(folder)
         if not same_tokenizer(saved, learner.tokenizer):  # by content: grown merges need not add tokens
             learner.tokenizer = saved
     load_model_weights(learner.model, folder)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import random
 from collections.abc import Mapping, Sequence
@@ -33,8 +34,10 @@ def stable_hash(text: str) -> int:
 
 
 def load_tokenizer(name_or_path: str | Path | None = None) -> Any:
-    """Any HF tokenizer by name or path (`AutoTokenizer`); default: the bundled CLIP BPE tokenizer."""
-    from transformers import AutoTokenizer
+    """Any HF tokenizer by name or path (`AutoTokenizer`); default: the bundled CLIP BPE tokenizer. A local folder is
+    loaded as the class its `tokenizer_config.json` names: `AutoTokenizer` would otherwise follow the model type of a
+    `config.json` beside it (a SigLIP 2 checkpoint trained with another family's tokenizer)."""
+    import transformers
 
     if name_or_path is None:
         name_or_path = default_tokenizer_path()
@@ -43,7 +46,13 @@ def load_tokenizer(name_or_path: str | Path | None = None) -> Any:
                 f"The bundled CLIP tokenizer is not at {name_or_path}: set HF_CCL_SHARED to the shared/ folder, or "
                 "pass a tokenizer name or path (config key `tokenizer`)"
             )
-    return AutoTokenizer.from_pretrained(str(name_or_path))
+    config = Path(name_or_path) / "tokenizer_config.json"
+    if config.is_file():
+        saved_class = getattr(transformers, str(json.loads(config.read_text(encoding="utf-8")).get("tokenizer_class")),
+                              None)
+        if isinstance(saved_class, type) and issubclass(saved_class, transformers.PreTrainedTokenizerBase):
+            return saved_class.from_pretrained(str(name_or_path))
+    return transformers.AutoTokenizer.from_pretrained(str(name_or_path))
 
 
 def load_image_processor(image_size: int, **kwargs: Any) -> Any:
