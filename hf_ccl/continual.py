@@ -62,7 +62,7 @@ from .hub import (
 )
 from .methods.base import ContinualMethod, TaskContext
 from .methods.registry import METHODS, check_methods
-from .modeling import ContinualCLIPModel
+from .modeling import ContinualDualEncoder
 from .pair_features import ModalityEncoder, PairFeatureCollator, encode_pair_stream, pair_encoders
 from .resume_settings import run_settings
 from .run_folder import RunFolderLock, claim_run_folder
@@ -323,7 +323,7 @@ def check_pair_stream(stream: TaskStream, methods: list[ContinualMethod], args: 
                           "training.gradient_accumulation_steps", "training.gradient_accumulation_steps")
 
 
-def check_frozen_encoders(model: ContinualCLIPModel, task_name: str) -> None:
+def check_frozen_encoders(model: ContinualDualEncoder, task_name: str) -> None:
     """On a pair task only the learner heads may train: the cached features come from the frozen towers."""
     moving = [name for name, p in model.named_parameters() if p.requires_grad and not name.startswith("learner_heads.")]
     if moving:
@@ -342,7 +342,7 @@ class ContinualLearner:
 
     def __init__(
         self,
-        model: ContinualCLIPModel,
+        model: ContinualDualEncoder,
         stream: TaskStream,
         methods: list[ContinualMethod],
         image_processor: Any,

@@ -194,7 +194,7 @@ def encode_pair_stream(stream: TaskStream, encoders: Mapping[str, ModalityEncode
 
 
 class PairFeatureCollator:
-    """Stacks a pair task's feature rows into a batch for `ContinualCLIPModel.forward`: `features_a`,
+    """Stacks a pair task's feature rows into a batch for `ContinualDualEncoder.forward`: `features_a`,
     `features_b` [n, d] and the task's two modality names."""
 
     def __init__(self, modalities: tuple[str, str]):

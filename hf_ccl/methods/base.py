@@ -36,7 +36,7 @@ from ..validation import ConfigError, check_mapping, type_hints
 
 if TYPE_CHECKING:
     from ..data.task import Task, TaskStream
-    from ..modeling import ContinualCLIPModel, ContinualCLIPOutput
+    from ..modeling import ContinualDualEncoder, ContinualDualEncoderOutput
 
 
 @dataclass
@@ -82,7 +82,7 @@ class TaskContext:
     task_index: int
     task: Task
     stream: TaskStream
-    model: ContinualCLIPModel
+    model: ContinualDualEncoder
     output_dir: Path | None = None
     seed: int = 0
     global_step: int = 0
@@ -193,15 +193,15 @@ class ContinualMethod:
 
     def loss_terms(
         self,
-        model: ContinualCLIPModel,
+        model: ContinualDualEncoder,
         inputs: dict[str, torch.Tensor],
-        outputs: ContinualCLIPOutput,
+        outputs: ContinualDualEncoderOutput,
         context: TaskContext,
     ) -> dict[str, torch.Tensor]:
         """Extra loss terms, already weighted; the total loss is the contrastive loss plus their sum."""
         return {}
 
-    def no_weight_decay(self, model: ContinualCLIPModel) -> set[str]:
+    def no_weight_decay(self, model: ContinualDualEncoder) -> set[str]:
         """Names of model parameters the task's optimizer must not decay (its decoupled weight decay is 0 for them),
         e.g. because the method applies its own decay in `pre_optimizer_step` (TEIR's per-row decay)."""
         return set()
@@ -213,13 +213,13 @@ class ContinualMethod:
         refers to them, so a method restores their values in place."""
         return []
 
-    def pre_optimizer_step(self, model: ContinualCLIPModel, context: TaskContext) -> None:
+    def pre_optimizer_step(self, model: ContinualDualEncoder, context: TaskContext) -> None:
         """Edit `p.grad` of the model's parameters before the optimizer steps (after clipping).
 
         `context.optimizer` is then the task's optimizer (the torch optimizer, before Accelerate wraps it) and
         `context.training_args` its `TrainingArguments`."""
 
-    def post_optimizer_step(self, model: ContinualCLIPModel, context: TaskContext) -> None:
+    def post_optimizer_step(self, model: ContinualDualEncoder, context: TaskContext) -> None:
         """Edit the model's parameters right after `optimizer.step()` (before the LR scheduler steps and the
         gradients are zeroed), e.g. to project the update the optimizer actually made (DNS `project="update"`)."""
 

@@ -54,7 +54,7 @@ from .registry import register_method
 from .teacher import FrozenTeacher
 
 if TYPE_CHECKING:
-    from ..modeling import ContinualCLIPModel, ContinualCLIPOutput
+    from ..modeling import ContinualDualEncoder, ContinualDualEncoderOutput
 
 #: theta_{t-1}'s share of (1 - m) in Eq. 3, per `momentum_mode` (Tab. 3: "only theta^t", "only theta^{t-1}").
 MOMENTUM_MODES = {"compatible": 0.5, "current": 0.0, "previous": 1.0}
@@ -168,15 +168,15 @@ class CTP(ContinualMethod):
         self._ensure_queues(model.embed_dim, context.seed)
         return None
 
-    def pre_optimizer_step(self, model: ContinualCLIPModel, context: TaskContext) -> None:
+    def pre_optimizer_step(self, model: ContinualDualEncoder, context: TaskContext) -> None:
         """Mark that F is about to step: Eq. 3 runs on the stepped weights at the next `loss_terms` call."""
         self.momentum_update_due = True
 
     def loss_terms(
         self,
-        model: ContinualCLIPModel,
+        model: ContinualDualEncoder,
         inputs: dict[str, torch.Tensor],
-        outputs: ContinualCLIPOutput,
+        outputs: ContinualDualEncoderOutput,
         context: TaskContext,
     ) -> dict[str, torch.Tensor]:
         """L^c_ita (Eq. 4) and, from the second task on, L_c (Eq. 7) and L_s (Eq. 9), each weighted (Eq. 10)."""
@@ -208,7 +208,7 @@ class CTP(ContinualMethod):
         return self.config.first_task_momentum if self.reference is None else self.config.momentum
 
     @torch.no_grad()
-    def momentum_step(self, model: ContinualCLIPModel) -> None:
+    def momentum_step(self, model: ContinualDualEncoder) -> None:
         """theta_c <- m theta_c + (1-m)/2 theta_{t-1} + (1-m)/2 theta_t (Eq. 3) over F's trainable parameters
         (frozen ones are equal in F, R and M, where Eq. 3 is the identity); first task: EMA of F (App. E.1)."""
         if self.momentum_model is None:
@@ -365,7 +365,7 @@ class CTP(ContinualMethod):
                     param.copy_(weights[name].to(param.device, param.dtype))
 
 
-def fix_logit_scale_(model: ContinualCLIPModel, temperature: float) -> None:
+def fix_logit_scale_(model: ContinualDualEncoder, temperature: float) -> None:
     """Set the model's logit_scale to ln(1/temperature) and freeze it (P Sec. 5.1: tau fixed at 0.07)."""
     with torch.no_grad():
         model.logit_scale.fill_(math.log(1.0 / temperature))

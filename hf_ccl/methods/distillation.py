@@ -25,7 +25,7 @@ from .base import ContinualMethod, MethodConfig, TaskContext
 from .teacher import FrozenTeacher
 
 if TYPE_CHECKING:
-    from ..modeling import ContinualCLIPModel
+    from ..modeling import ContinualDualEncoder
 
 DIRECTIONS: tuple[str, ...] = ("i2t", "t2i")
 REDUCTIONS: tuple[str, ...] = ("sum", "batchmean")
@@ -197,7 +197,7 @@ class TeacherMethod(ContinualMethod):
         self._teacher_device = None
 
     def teacher_embeddings(
-        self, model: ContinualCLIPModel, inputs: dict[str, torch.Tensor]
+        self, model: ContinualDualEncoder, inputs: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Normalised teacher image and text embeddings of the global batch ([N, D] each, no grad), on the
         student's device (the teacher follows the student if the Trainer moved it after the snapshot)."""
@@ -206,7 +206,7 @@ class TeacherMethod(ContinualMethod):
         self._place_teacher(_device_of(model))
         return self.teacher.embed_global(inputs)
 
-    def teacher_similarity(self, model: ContinualCLIPModel, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def teacher_similarity(self, model: ContinualDualEncoder, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """The teacher's cosine matrix over the global batch, M_{t-1} (Mod-X Eq. 1): images as rows, float32."""
         old_images, old_texts = self.teacher_embeddings(model, inputs)
         return old_images.float() @ old_texts.float().t()
@@ -232,5 +232,5 @@ def _device_of(model: torch.nn.Module) -> torch.device:
 def student_similarity(outputs: Any) -> torch.Tensor:
     """M_t (Mod-X Eq. 2): cosine similarities of the student's global batch, image rows ([N, N], with grad)."""
     if outputs.all_image_embeds is None or outputs.all_text_embeds is None:
-        raise ValueError("the model output carries no global embeddings; use ContinualCLIPModel")
+        raise ValueError("the model output carries no global embeddings; use a ContinualDualEncoder (hf_ccl.families)")
     return outputs.all_image_embeds.float() @ outputs.all_text_embeds.float().t()

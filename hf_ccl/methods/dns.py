@@ -75,7 +75,7 @@ from .trainable import freeze_base, requires_grad_flags, restore_flags
 
 if TYPE_CHECKING:
     from ..data.task import Task
-    from ..modeling import ContinualCLIPModel
+    from ..modeling import ContinualDualEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -227,7 +227,7 @@ def _removed_fraction(matrix: torch.Tensor, projected: torch.Tensor) -> torch.Te
 
 def run_batch(model: nn.Module, batch: dict[str, Any]) -> None:
     """One forward of a collated batch through the layers it feeds: a pair batch of cached features through the
-    learner heads (`ContinualCLIPModel.forward`), images and texts through the towers (unnormalised)."""
+    learner heads (`ContinualDualEncoder.forward`), images and texts through the towers (unnormalised)."""
     if "features_a" in batch:
         model(**batch, return_loss=False)
         return
@@ -363,7 +363,7 @@ class DNS(ContinualMethod):
         return dual_null_space_projection(work, p_out, p_in).to(matrix.dtype)
 
     # ----- the projection (Alg. 1 l.13) ---------------------------------------------------------------------------
-    def pre_optimizer_step(self, model: ContinualCLIPModel, context: TaskContext) -> None:
+    def pre_optimizer_step(self, model: ContinualDualEncoder, context: TaskContext) -> None:
         """p.grad ← G − P_out G P_in for every projected layer (after clipping, before `optimizer.step()`); with
         `project="update"` also remember W for `post_optimizer_step`. A bias, if any, is not projected."""
         self._before_step = {}
@@ -379,7 +379,7 @@ class DNS(ContinualMethod):
                 self._removed[layer] = _removed_fraction(grad, projected)
                 grad.copy_(projected)
 
-    def post_optimizer_step(self, model: ContinualCLIPModel, context: TaskContext) -> None:
+    def post_optimizer_step(self, model: ContinualDualEncoder, context: TaskContext) -> None:
         """`project="update"`: W ← W_old + proj(W − W_old), the step the optimizer made projected by Eq. (8)."""
         with torch.no_grad():
             for layer, before in self._before_step.items():

@@ -88,7 +88,7 @@ from .regularization import batch_contrastive_loss
 
 if TYPE_CHECKING:
     from ..data.task import Task
-    from ..modeling import ContinualCLIPModel
+    from ..modeling import ContinualDualEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -586,7 +586,7 @@ class GEM(EpisodicMemoryMethod):
             self.loss_gradient(model, context, params, self.memory_batch(context, [(memory, None)], device), out=row)
         return memories, G
 
-    def pre_optimizer_step(self, model: ContinualCLIPModel, context: TaskContext) -> None:
+    def pre_optimizer_step(self, model: ContinualDualEncoder, context: TaskContext) -> None:
         """Replace g by GEM's projection g̃ = Gᵀv* + g when some ⟨g, g_k⟩ < 0 (Eqs. 12–13)."""
         self._metrics = dict.fromkeys(
             ("constraints", "violations", "projected", "grad_change", "dual_max", "nonfinite_grad"), 0.0)
@@ -686,7 +686,7 @@ class AGEM(EpisodicMemoryMethod):
             return torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
         return self.weighted_loss_gradient(model, context, params, batches)
 
-    def pre_optimizer_step(self, model: ContinualCLIPModel, context: TaskContext) -> None:
+    def pre_optimizer_step(self, model: ContinualDualEncoder, context: TaskContext) -> None:
         """Replace g by g − (gᵀg_ref / g_refᵀg_ref) g_ref when gᵀg_ref < 0 (Eq. 11)."""
         self._metrics = dict.fromkeys(("projected", "grad_change", "ref_cosine", "nonfinite_grad"), 0.0)
         started = self._start_step(model, context)

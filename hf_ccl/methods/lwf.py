@@ -34,7 +34,7 @@ from .distillation import (
 from .registry import register_method
 
 if TYPE_CHECKING:
-    from ..modeling import ContinualCLIPModel, ContinualCLIPOutput
+    from ..modeling import ContinualDualEncoder, ContinualDualEncoderOutput
 
 LOGITS = ("scaled", "cosine")
 
@@ -95,9 +95,9 @@ class LwF(TeacherMethod):
 
     def loss_terms(
         self,
-        model: ContinualCLIPModel,
+        model: ContinualDualEncoder,
         inputs: dict[str, torch.Tensor],
-        outputs: ContinualCLIPOutput,
+        outputs: ContinualDualEncoderOutput,
         context: TaskContext,
     ) -> dict[str, torch.Tensor]:
         if self.teacher is None or self.config.alpha == 0:

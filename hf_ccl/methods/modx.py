@@ -47,7 +47,7 @@ from .distillation import (
 from .registry import register_method
 
 if TYPE_CHECKING:
-    from ..modeling import ContinualCLIPModel, ContinualCLIPOutput
+    from ..modeling import ContinualDualEncoder, ContinualDualEncoderOutput
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "paper": {"kd_temperature": 1.0, "reduction": "sum", "directions": ["i2t", "t2i"], "selection": "positives"},
@@ -167,9 +167,9 @@ class ModX(TeacherMethod):
 
     def loss_terms(
         self,
-        model: ContinualCLIPModel,
+        model: ContinualDualEncoder,
         inputs: dict[str, torch.Tensor],
-        outputs: ContinualCLIPOutput,
+        outputs: ContinualDualEncoderOutput,
         context: TaskContext,
     ) -> dict[str, torch.Tensor]:
         if self.teacher is None or self.config.alpha == 0:

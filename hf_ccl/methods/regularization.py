@@ -40,7 +40,7 @@ from ..losses import positive_mask
 from .base import ContinualMethod, MethodConfig, TaskContext
 
 if TYPE_CHECKING:
-    from ..modeling import ContinualCLIPModel, ContinualCLIPOutput
+    from ..modeling import ContinualDualEncoder, ContinualDualEncoderOutput
 
 PENALTY_TERM = "penalty"
 COLLATOR_KEY = "collator"
@@ -328,9 +328,9 @@ class QuadraticPenaltyMethod(ContinualMethod):
 
     def loss_terms(
         self,
-        model: ContinualCLIPModel,
+        model: ContinualDualEncoder,
         inputs: dict[str, torch.Tensor],
-        outputs: ContinualCLIPOutput,
+        outputs: ContinualDualEncoderOutput,
         context: TaskContext,
     ) -> dict[str, torch.Tensor]:
         """`penalty`: s · Σ Ω (θ − θ*)²; an exact 0 before the first importance (task 0)."""
@@ -411,7 +411,7 @@ def task_batches(
         yield collator([dataset[int(i)] for i in indices])
 
 
-def batch_contrastive_loss(model: ContinualCLIPModel, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def batch_contrastive_loss(model: ContinualDualEncoder, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The model family's loss (CLIP's softmax, SigLIP's sigmoid) of this process's batch alone (no all-gather), with
     the collator's positive mask; of a
     pair batch (cached features, `learner_heads`), the pair loss (CMCL Eq. 2)."""
@@ -424,7 +424,7 @@ def batch_contrastive_loss(model: ContinualCLIPModel, batch: Mapping[str, torch.
     return model.contrastive_loss(logits, mask)
 
 
-def squared_embedding_norms(model: ContinualCLIPModel, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def squared_embedding_norms(model: ContinualDualEncoder, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """Mean over the batch of ‖v‖² + ‖w‖², v and w the unnormalised projected image and text embeddings (MAS's
     ℓ2² output); for a one-example batch, that example's ‖v‖² + ‖w‖². A pair batch: the two learner outputs."""
     if "features_a" in batch:

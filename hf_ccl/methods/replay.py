@@ -72,7 +72,7 @@ from .registry import register_method
 if TYPE_CHECKING:
     from ..data.task import Task
     from ..heads import LearnerHeads
-    from ..modeling import ContinualCLIPModel, ContinualCLIPOutput
+    from ..modeling import ContinualDualEncoder, ContinualDualEncoderOutput
 
 SLOT_COLUMN = "buffer_slot"
 _MASKED_LOGIT = -1.0e4  # far below any CLIP logit (|logit| <= logit_scale <= 100): exp() underflows to exactly 0
@@ -364,9 +364,9 @@ class DarkExperienceReplay(ExperienceReplay):
     # ----- loss -------------------------------------------------------------------------------------------------
     def loss_terms(
         self,
-        model: ContinualCLIPModel,
+        model: ContinualDualEncoder,
         inputs: dict[str, torch.Tensor],
-        outputs: ContinualCLIPOutput,
+        outputs: ContinualDualEncoderOutput,
         context: TaskContext,
     ) -> dict[str, torch.Tensor]:
         if "features_a" in inputs:  # a pair batch: cached features through the learner heads
@@ -378,7 +378,7 @@ class DarkExperienceReplay(ExperienceReplay):
         return self.replay_terms(outputs, slots, getattr(model, "loss_kind", "softmax"))
 
     def replay_terms(
-        self, outputs: ContinualCLIPOutput, slots: torch.Tensor, loss_kind: str = "softmax"
+        self, outputs: ContinualDualEncoderOutput, slots: torch.Tensor, loss_kind: str = "softmax"
     ) -> dict[str, torch.Tensor]:
         """The weighted terms for a global batch whose rows have buffer `slots` (-1: new data); `loss_kind` is the
         model family's loss ("softmax" or "sigmoid"), for the terms that use it."""
@@ -386,7 +386,7 @@ class DarkExperienceReplay(ExperienceReplay):
         mse = der_mse(_global(outputs, "image"), _global(outputs, "text"), image_targets, text_targets, slots)
         return {"mse": self.option("alpha", pair=False) * mse}
 
-    def _global_slots(self, inputs: dict[str, torch.Tensor], outputs: ContinualCLIPOutput) -> torch.Tensor | None:
+    def _global_slots(self, inputs: dict[str, torch.Tensor], outputs: ContinualDualEncoderOutput) -> torch.Tensor | None:
         """`buffer_slot` of every row of the global batch, or None when no row can be a buffer row."""
         slots = inputs.get(SLOT_COLUMN)
         if slots is None or self.image_targets is None:
@@ -496,7 +496,7 @@ class DarkExperienceReplayPlusPlus(DarkExperienceReplay):
         return {**super().term_weights(pair), "replay_contrastive": self.option("beta", pair)}
 
     def replay_terms(
-        self, outputs: ContinualCLIPOutput, slots: torch.Tensor, loss_kind: str = "softmax"
+        self, outputs: ContinualDualEncoderOutput, slots: torch.Tensor, loss_kind: str = "softmax"
     ) -> dict[str, torch.Tensor]:
         terms = super().replay_terms(outputs, slots, loss_kind)
         logits = outputs.global_logits_per_image
@@ -568,7 +568,7 @@ def subset_sigmoid_loss(
 # ----------------------------------------------------------------------------------------------------------------
 # Helpers
 # ----------------------------------------------------------------------------------------------------------------
-def _global(outputs: ContinualCLIPOutput, modality: str) -> torch.Tensor:
+def _global(outputs: ContinualDualEncoderOutput, modality: str) -> torch.Tensor:
     """Global-batch embeddings (gathered with gradients), or the local ones when the output has none."""
     gathered = getattr(outputs, f"all_{modality}_embeds")
     return gathered if gathered is not None else getattr(outputs, f"{modality}_embeds")

@@ -32,7 +32,7 @@ from .registry import register_method
 from .regularization import QuadraticPenaltyConfig, QuadraticPenaltyMethod, nonzero_rows, token_embedding_name
 
 if TYPE_CHECKING:
-    from ..modeling import ContinualCLIPModel
+    from ..modeling import ContinualDualEncoder
 
 
 @dataclass
@@ -153,7 +153,7 @@ class SI(QuadraticPenaltyMethod):
         self.path = None
         self._restored_path = None
 
-    def pre_optimizer_step(self, model: ContinualCLIPModel, context: TaskContext) -> None:
+    def pre_optimizer_step(self, model: ContinualDualEncoder, context: TaskContext) -> None:
         if self.path is None:
             covered = self.covered_parameters(model)
             self.path = PathIntegral(list(covered), list(covered.values()), {token_embedding_name(model)})

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..distributed import all_gather_no_grad
-from ..modeling import ContinualCLIPModel
+from ..modeling import ContinualDualEncoder
 
 
 class FrozenTeacher:
@@ -25,7 +25,7 @@ class FrozenTeacher:
     given hash never changes (no random augmentation), which holds for `CLIPCollator`.
     """
 
-    def __init__(self, model: ContinualCLIPModel, cache: bool = False):
+    def __init__(self, model: ContinualDualEncoder, cache: bool = False):
         self.model = copy.deepcopy(model)
         self.model.eval()
         self.model.requires_grad_(False)

@@ -50,7 +50,7 @@ from .regularization import token_embedding_name
 if TYPE_CHECKING:
     from datasets import Dataset
 
-    from ..modeling import ContinualCLIPModel
+    from ..modeling import ContinualDualEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -216,12 +216,12 @@ class TEIR(ContinualMethod):
         self.present = self.scales = self._scales_on = None
 
     # ----- the optimizer ----------------------------------------------------------------------------------------
-    def no_weight_decay(self, model: ContinualCLIPModel) -> set[str]:
+    def no_weight_decay(self, model: ContinualDualEncoder) -> set[str]:
         """The token embedding, whose decay TEIR applies per row itself (when `scale_weight_decay`)."""
         name = token_embedding_name(model)
         return {name} if self.config.scale_weight_decay and name is not None else set()
 
-    def pre_optimizer_step(self, model: ContinualCLIPModel, context: TaskContext) -> None:
+    def pre_optimizer_step(self, model: ContinualDualEncoder, context: TaskContext) -> None:
         """G ← λ·G on the embedding rows, and arm the row-scaled decay θ ← (1 − α·β·λ)·θ for this step (Eq. 5)."""
         weight = model.get_input_embeddings().weight
         scales = self._scales_for(weight)

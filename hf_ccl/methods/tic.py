@@ -31,7 +31,7 @@ from .registry import register_method
 from .tic_replay import CumulativePool, check_stream_sizes
 
 if TYPE_CHECKING:
-    from ..modeling import ContinualCLIPModel
+    from ..modeling import ContinualDualEncoder
 
 
 @register_method
@@ -44,7 +44,7 @@ class Sequential(Finetune):
     conflicts = {"training_data": "trains each step on its own data only (TiC-CLIP's Sequential): leave it out"}
 
 
-def fresh_model(model: ContinualCLIPModel, seed: int) -> ContinualCLIPModel:
+def fresh_model(model: ContinualDualEncoder, seed: int) -> ContinualDualEncoder:
     """A freshly initialised model of `model`'s class and config (vocabulary size included), drawn after
     `torch.manual_seed(seed)` in a forked RNG (the global RNG is left as it was), in `model`'s dtype."""
     config = copy.deepcopy(model.config)
