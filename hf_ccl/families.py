@@ -63,23 +63,22 @@ class ContinualMetaClip2Model(ContinualDualEncoder, MetaClip2Model):
         super().align_special_tokens(tokenizer)
 
 
-class ContinualSiglipModel(ContinualDualEncoder, SiglipModel):
-    """SigLIP: the pairwise sigmoid loss with a learned logit bias; the text pools at the last position, so texts are
-    padded to the full length and given no attention mask (how the checkpoints were trained); the image embedding is
-    the attention-pooling head's output (no linear projection to fold learner heads into or to project for DNS).
+class _SigmoidFamily(ContinualDualEncoder):
+    """SigLIP's conventions (SigLIP and SigLIP 2): the pairwise sigmoid loss with a learned logit bias; the text pools
+    at the last position, so texts are padded to the full length and given no attention mask (how the checkpoints
+    were trained); the image embedding is the attention-pooling head's output (no linear projection to fold learner
+    heads into or to project for DNS).
 
     A randomly initialised model starts from the paper's t' = log 10, b = -10 (Zhai et al. 2023, Sec. 3.2; transformers
     initialises both at 0); `from_pretrained` loads the checkpoint's values over them.
 
-    The softmax-based method terms keep their meaning on this family: Mod-X and LwF distil the row-wise softmax of
+    The softmax-based method terms keep their meaning on these families: Mod-X and LwF distil the row-wise softmax of
     the model's similarities, which a shared bias does not change (softmax is shift-invariant), so they distil the
     same cosine structure as on CLIP; CTP's compatible and topology losses are its own InfoNCE with its own
     temperature, added to the sigmoid task loss; the replay and regularisation losses (DER++, EWC's Fisher, GEM's
-    gradients) use this family's sigmoid loss.
+    gradients) use the family's sigmoid loss.
     """
 
-    family = "siglip"
-    plain_architecture = "SiglipModel"
     loss_kind = "sigmoid"
     max_logit_scale = None
     projection_names = {"image": None, "text": "text_model.head"}
@@ -91,10 +90,10 @@ class ContinualSiglipModel(ContinualDualEncoder, SiglipModel):
         "learner_heads": "SigLIP's image embedding has no linear projection to fold an image head into",
         "dns": "DNS projects the gradients of the two projections, and SigLIP has no image projection",
     }
+    logit_bias: torch.nn.Parameter
 
-    def __init__(self, config: SiglipConfig):
-        super().__init__(config)
-        self._init_continual()
+    def _init_continual(self) -> None:
+        super()._init_continual()
         with torch.no_grad():
             self.logit_scale.fill_(math.log(10.0))
             self.logit_bias.fill_(-10.0)
@@ -104,34 +103,30 @@ class ContinualSiglipModel(ContinualDualEncoder, SiglipModel):
         return int(self.config.text_config.projection_size)
 
 
-class ContinualSiglip2Model(ContinualDualEncoder, Siglip2Model):
-    """SigLIP 2: SigLIP's loss, text tower and conventions, with NaFlex images: each image is resized to keep its
-    aspect ratio within `num_patches` patches, and its tower reads the patches (`pixel_values`), their padding mask
-    (`pixel_attention_mask`) and grid (`spatial_shapes`), all three carried by every batch (`image_input_names`).
-    The image cache (fixed-size pixels) does not apply to it. What the softmax-based method terms mean here is as for
-    SigLIP (`ContinualSiglipModel`)."""
+class ContinualSiglipModel(_SigmoidFamily, SiglipModel):
+    """SigLIP (`_SigmoidFamily`'s conventions)."""
+
+    family = "siglip"
+    plain_architecture = "SiglipModel"
+
+    def __init__(self, config: SiglipConfig):
+        super().__init__(config)
+        self._init_continual()
+
+
+class ContinualSiglip2Model(_SigmoidFamily, Siglip2Model):
+    """SigLIP 2: SigLIP's loss, text tower and conventions (`_SigmoidFamily`), with NaFlex images: each image is
+    resized to keep its aspect ratio within `num_patches` patches, and its tower reads the patches (`pixel_values`),
+    their padding mask (`pixel_attention_mask`) and grid (`spatial_shapes`), all three carried by every batch
+    (`image_input_names`). The image cache (fixed-size pixels) does not apply to it."""
 
     family = "siglip2"
     plain_architecture = "Siglip2Model"
-    loss_kind = "sigmoid"
-    max_logit_scale = None
-    projection_names = ContinualSiglipModel.projection_names
-    tower_prefixes = ContinualSiglipModel.tower_prefixes
-    text_padding = "max_length"
-    text_attention_mask = False
-    unsupported_methods = ContinualSiglipModel.unsupported_methods
     image_input_names = ("pixel_values", "pixel_attention_mask", "spatial_shapes")
 
     def __init__(self, config: Siglip2Config):
         super().__init__(config)
         self._init_continual()
-        with torch.no_grad():
-            self.logit_scale.fill_(math.log(10.0))
-            self.logit_bias.fill_(-10.0)
-
-    @property
-    def embed_dim(self) -> int:
-        return int(self.config.text_config.projection_size)
 
     @property
     def image_size(self) -> int:
