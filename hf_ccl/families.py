@@ -82,7 +82,6 @@ class _SigmoidFamily(ContinualDualEncoder):
     loss_kind = "sigmoid"
     max_logit_scale = None
     projection_names = {"image": None, "text": "text_model.head"}
-    tower_prefixes = {"image": ("vision_model.",), "text": ("text_model.",)}
     text_padding = "max_length"
     text_attention_mask = False
     unsupported_methods = {
@@ -204,7 +203,7 @@ def load_continual_model(name_or_path: str, family: str | None = None, **kwargs:
     found = family_of(config)
     if family is not None and family_of(family) != found:
         raise ValueError(f"model.family is {family!r} but {name_or_path} is a {found!r} checkpoint")
-    return FAMILIES[found].from_pretrained(name_or_path, **kwargs)  # type: ignore[attr-defined, no-any-return]
+    return FAMILIES[found].from_pretrained(name_or_path, config=config, **kwargs)  # type: ignore[attr-defined, no-any-return]
 
 
 def tiny_config(family: str = "clip", **sizes: int) -> PretrainedConfig:

@@ -3,8 +3,7 @@
 `ContinualDualEncoder` is what the loop, the evaluator and every method use instead of one family's internals: image
 and text features (`embed_images`, `embed_texts`), the logits and the family's own loss (`logits`,
 `contrastive_loss`: CLIP's softmax or SigLIP's sigmoid), the logit scale and, where the family has one, its bias
-(`logit_bias_or_none`), the input embeddings, the projections (`projection_names`) and the towers' parameter names
-(`tower_prefixes`). It is a mixin placed before a transformers class; each family (`hf_ccl.families`) is one small
+(`logit_bias_or_none`), the input embeddings and the projections (`projection_names`). It is a mixin placed before a transformers class; each family (`hf_ccl.families`) is one small
 subclass that keeps its parent's `from_pretrained` / `save_pretrained`, so its checkpoints load with the plain
 transformers class (`CLIPModel`, `SiglipModel`, ...).
 
@@ -108,13 +107,6 @@ def as_embedding(output: Any) -> torch.Tensor:
     raise TypeError(f"cannot read an embedding from {type(output).__name__}; expected a tensor or pooler_output")
 
 
-def _module_at(root: nn.Module, path: str) -> nn.Module:
-    module = root
-    for part in path.split("."):
-        module = getattr(module, part)
-    return module
-
-
 def set_eos_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:
     """Set a CLIP-style text tower's BOS/EOS/PAD ids to the tokenizer's (it pools at the first EOS token)."""
     if tokenizer.eos_token_id is None:
@@ -144,9 +136,6 @@ class ContinualDualEncoder:
     #: The last linear map of each tower into the shared space (DNS's default layers, the learner heads' fold
     #: targets); None where the family has none (SigLIP's image embedding is its attention-pooling head's output).
     projection_names: ClassVar[dict[str, str | None]] = {"image": "visual_projection", "text": "text_projection"}
-    #: Parameter-name prefixes of each tower, its projection included.
-    tower_prefixes: ClassVar[dict[str, tuple[str, ...]]] = {
-        "image": ("vision_model.", "visual_projection"), "text": ("text_model.", "text_projection")}
     #: Where the text tower's token embedding lives.
     token_embedding_path: ClassVar[str] = "text_model.embeddings.token_embedding"
     #: How texts are padded for this family: "longest" (per batch) or "max_length" (SigLIP pools the last position).
@@ -207,7 +196,7 @@ class ContinualDualEncoder:
     def projection(self, modality: str) -> nn.Linear | None:
         """The tower's final linear map into the shared space (`projection_names`), or None."""
         name = self.projection_names[modality]
-        return None if name is None else _module_at(self, name)  # type: ignore[arg-type]
+        return None if name is None else self.get_submodule(name)  # type: ignore[arg-type]
 
     def family_error(self, what: str) -> ValueError:
         return ValueError(f"{what} is not available for the {self.family} family ({type(self).__name__})")
@@ -222,11 +211,11 @@ class ContinualDualEncoder:
             )
 
     def get_input_embeddings(self) -> nn.Module:
-        return _module_at(self, self.token_embedding_path)  # type: ignore[arg-type]
+        return self.get_submodule(self.token_embedding_path)  # type: ignore[arg-type]
 
     def set_input_embeddings(self, value: nn.Module) -> None:
         parent, _, name = self.token_embedding_path.rpartition(".")
-        setattr(_module_at(self, parent), name, value)  # type: ignore[arg-type]
+        setattr(self.get_submodule(parent), name, value)  # type: ignore[arg-type]
 
     def resize_token_embeddings(
         self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None, mean_resizing: bool = True
@@ -366,10 +355,8 @@ class ContinualDualEncoder:
         if return_loss and self.loss_kind == "sigmoid":
             total, local_rows = global_logits.shape[0], image_embeds.shape[0]
             positives = mask if mask is not None else torch.eye(total, dtype=torch.bool, device=global_logits.device)
-            start = rank() * local_rows if world_size() > 1 else 0
-            local = self.logits(image_embeds, all_text_embeds)
-            loss = world_size() * sigmoid_contrastive_loss(
-                local, positives[start:start + local_rows], num_rows=total)
+            rows = slice(rank() * local_rows, (rank() + 1) * local_rows) if world_size() > 1 else slice(None)
+            loss = world_size() * sigmoid_contrastive_loss(global_logits[rows], positives[rows], num_rows=total)
         elif return_loss:
             loss = self.contrastive_loss(global_logits, mask)
         return ContinualDualEncoderOutput(
@@ -396,7 +383,7 @@ class ContinualDualEncoder:
             if None in names:
                 raise self.family_error("folding learner heads into the projections")
             visual, text = self.learner_heads.folded_projections(  # type: ignore[operator]
-                _module_at(self, names[0]).weight.detach(), _module_at(self, names[1]).weight.detach())  # type: ignore[arg-type, union-attr]
+                self.get_submodule(names[0]).weight.detach(), self.get_submodule(names[1]).weight.detach())  # type: ignore[arg-type, union-attr]
             state[f"{names[0]}.weight"], state[f"{names[1]}.weight"] = visual, text
         return state
 

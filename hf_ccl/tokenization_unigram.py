@@ -32,7 +32,7 @@ def tokenizer_model_type(tokenizer: PreTrainedTokenizerBase) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise TypeError(f"{type(tokenizer).__name__} is not a fast (tokenizers-backed) tokenizer")
-    return str(json.loads(backend.to_str())["model"]["type"])
+    return type(backend.model).__name__
 
 
 def train_language_unigram(

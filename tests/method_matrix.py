@@ -79,9 +79,8 @@ assert REPRESENTATIVE <= set().union(*FAMILY_DEFAULTS.values()), "a representati
 #: (family, method) for every supported family and every method it does not refuse (`unsupported_methods`):
 #: CLIP runs `MATRIX`; the other families `FAMILY_DEFAULTS` by default, everything else under `-m slow`.
 FAMILY_MATRIX = [
-    pytest.param(family, method.values[0] if hasattr(method, "values") else method,
-                 marks=getattr(method, "marks", ()), id=f"{family}-{getattr(method, 'values', [method])[0]}")
-    for family in ("clip",) for method in MATRIX
+    pytest.param("clip", name, id=f"clip-{name}", marks=pytest.mark.slow if name in MATRIX_SIBLINGS else ())
+    for name in METHODS
 ] + [
     pytest.param(family, name, id=f"{family}-{name}",
                  marks=() if name in FAMILY_DEFAULTS[family] else pytest.mark.slow)
