@@ -5,8 +5,9 @@ Notation: `R[i, j]` is the metric on task j's eval set after training on task i 
 
 Conventions:
 - NaN cells propagate: a summary that reads a NaN cell is NaN.
-- With T = 1 every metric that compares two training steps (forgetting, backward/forward transfer and the TiC
-  triangle metrics) is NaN; `summarize` keeps those keys (with NaN) so that its keys do not depend on T.
+- With T = 1 every metric that compares two training steps (forgetting, backward/forward transfer, the TiC
+  triangle metrics and ZSCL's MTIL Transfer) is NaN; `summarize` keeps those keys (with NaN) so that its keys do not
+  depend on T.
 """
 
 from __future__ import annotations
@@ -184,3 +185,113 @@ def summarize(R: ArrayLike, b: np.ndarray | Sequence[float] | None = None) -> di
         summary["forward_transfer"] = forward_transfer(matrix, baseline)
         summary["initial_average"] = float(baseline.mean())
     return summary
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# MTIL (multi-domain task-incremental learning) metrics of ZSCL.
+#
+# Source: Zheng et al. 2023, "Preventing Zero-Shot Transfer Degradation in Continual Learning of Vision-Language
+# Models" (ICCV), released code github.com/Thunderbeee/ZSCL at b96e714, `mtil/results.ipynb` cell 0,
+# `statistics(arr)`: `avg = arr.mean(axis=0)`, `last = arr[-1, :]`,
+# `transfer = [mean(arr[j, i] for j in range(i)) for i in range(1, 11)]`, each printed as its mean over datasets.
+# Its matrices (`mtil/results/t3_*.npy`, 132 accuracies that `visualize` reshapes to 11 x 12) have one row per
+# training step and no zero-shot row (the CIFAR10 column is dropped before the statistics), so
+# the initial model's scores b enter none of the three; the "Zero-shot" row of ZSCL Tab. 3 (notebook cell 5) is the
+# same statistics of b repeated on every row: `mtil_*(np.tile(b, (T, 1)))`.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def mtil_per_task(R: ArrayLike) -> dict[str, np.ndarray]:
+    """ZSCL's per-dataset Transfer, Avg and Last, each an array of length T.
+
+    transfer[j] = (1/j) Σ_{i<j} R[i, j] (the models trained before task j, on task j; NaN for j = 0);
+    average[j] = (1/T) Σ_i R[i, j] (every training step, before and after task j; no zero-shot row);
+    last[j] = R[T-1, j].
+    ZSCL `mtil/results.ipynb` cell 0, `statistics` (the "transfer: / avg: / last:" rows printed with ` & `).
+    """
+    matrix = as_square(R)
+    T = matrix.shape[0]
+    transfer = np.array([NAN] + [matrix[:j, j].mean() for j in range(1, T)])
+    return {"transfer": transfer, "average": matrix.mean(axis=0), "last": matrix[-1].copy()}
+
+
+def mtil_transfer(R: ArrayLike) -> float:
+    """ZSCL "Transfer": (1/(T-1)) Σ_{j>=1} [ (1/j) Σ_{i<j} R[i, j] ], zero-shot transfer to not-yet-trained tasks.
+
+    A mean over datasets 1..T-1 of column means of the strict upper triangle, so column j weighs 1/(T-1) whatever
+    its height (unlike `tic_forward`, the flat mean of the same cells). ZSCL `mtil/results.ipynb` cell 0,
+    `transfer = np.array([np.mean([arr[j, i] for j in range(i)]) for i in range(1, 11)])`, then `transfer.mean()`.
+    NaN when T = 1.
+    """
+    matrix = as_square(R)
+    if matrix.shape[0] < 2:
+        return NAN
+    return float(mtil_per_task(matrix)["transfer"][1:].mean())
+
+
+def mtil_average(R: ArrayLike) -> float:
+    """ZSCL "Avg.": (1/T) Σ_j [ (1/T) Σ_i R[i, j] ], the mean over datasets of each dataset's mean over all T steps.
+
+    Every training step counts, before and after task j is trained; the initial model does not (ZSCL's matrices
+    have no zero-shot row). With no NaN this is the mean of all T² cells. ZSCL `mtil/results.ipynb` cell 0,
+    `avg = arr.mean(axis=0)`, then `avg.mean()`.
+    """
+    matrix = as_square(R)
+    return float(mtil_per_task(matrix)["average"].mean())
+
+
+def mtil_last(R: ArrayLike) -> float:
+    """ZSCL "Last": (1/T) Σ_j R[T-1, j], the final model on every dataset (equal to `final_average`).
+
+    ZSCL `mtil/results.ipynb` cell 0, `last = np.array(arr[-1, :])`, then `last.mean()`.
+    """
+    matrix = as_square(R)
+    return float(matrix[-1].mean())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Class-incremental accuracy over all seen examples (iCaRL protocol, as in Continual-CLIP / MoE-Adapters `cil/`).
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _as_sizes(sizes: np.ndarray | Sequence[float], T: int) -> np.ndarray:
+    counts = np.asarray(sizes, dtype=float).reshape(-1)
+    if counts.shape != (T,):
+        raise ValueError(f"sizes must have length {T}, got {counts.shape[0]}")
+    if not np.all(np.isfinite(counts)) or np.any(counts <= 0):
+        raise ValueError(f"sizes must be positive example counts, got {counts.tolist()}")
+    return counts
+
+
+def class_incremental_per_step(R: ArrayLike, sizes: np.ndarray | Sequence[float]) -> np.ndarray:
+    """Accuracy after step i on all eval examples of tasks 0..i: A_i = Σ_{j<=i} n_j R[i, j] / Σ_{j<=i} n_j.
+
+    `sizes[j]` = n_j, the number of eval examples of task j; with R[i, j] the accuracy on task j's examples this is
+    the accuracy on their union (continuum's `Logger.accuracy` on `eval_dataset[:task_id + 1]`, MoE-Adapters
+    `cil/main.py` l. 55-62, the per-step "acc" of `cil/experiments/class/*/metrics.json`). Only the lower
+    triangle with the diagonal is read.
+    """
+    matrix = as_square(R)
+    counts = _as_sizes(sizes, matrix.shape[0])
+    return np.array(
+        [(matrix[i, : i + 1] * counts[: i + 1]).sum() / counts[: i + 1].sum() for i in range(matrix.shape[0])]
+    )
+
+
+def class_incremental_average(R: ArrayLike, sizes: np.ndarray | Sequence[float]) -> float:
+    """Average incremental accuracy: (1/T) Σ_i A_i, with A_i of `class_incremental_per_step`.
+
+    Rebuffi et al. 2017, "iCaRL: Incremental Classifier and Representation Learning" (CVPR); MoE-Adapters `cil/main.py`
+    l. 78, `'avg': round(statistics.mean(acc_list), 2)` (continuum `Logger.average_incremental_accuracy`).
+    The size-weighted counterpart of `average_incremental`; equal to it when all sizes are equal.
+    """
+    return float(class_incremental_per_step(R, sizes).mean())
+
+
+def class_incremental_last(R: ArrayLike, sizes: np.ndarray | Sequence[float]) -> float:
+    """Accuracy after the last step on all eval examples: A_{T-1} = Σ_j n_j R[T-1, j] / Σ_j n_j.
+
+    MoE-Adapters `cil/main.py` l. 77, `'last': round(acc_list[-1], 2)`. Equal to `final_average` when all sizes
+    are equal.
+    """
+    return float(class_incremental_per_step(R, sizes)[-1])
