@@ -10,6 +10,7 @@ from .builders import (
     stream_by_class,
     stream_by_column,
     stream_by_time,
+    stream_class_incremental,
     stream_from_datasets,
     stream_random_split,
     to_canonical,
@@ -18,6 +19,7 @@ from .builders import (
 from .collate import CLIPCollator, load_image_processor, load_tokenizer, stable_hash
 from .dropped import log_dropped
 from .images import CorruptImageError, MissingImageError, decode_image
+from .mtil import MTIL_ORDERS, MTIL_REPOS, load_wds_classification, mtil_stream
 from .named import DIGIT_CLASS_NAMES, NAMED_STREAMS, build_stream, describe_streams, digits_dataset
 from .sources import DATA_FILE_READERS
 from .streaming import column_names, is_empty, is_streaming, peek, to_streaming
@@ -31,6 +33,8 @@ __all__ = [
     "CorruptImageError",
     "DATA_FILE_READERS",
     "DIGIT_CLASS_NAMES",
+    "MTIL_ORDERS",
+    "MTIL_REPOS",
     "MissingImageError",
     "NAMED_STREAMS",
     "NO_TASK",
@@ -52,13 +56,16 @@ __all__ = [
     "load_image_processor",
     "load_split",
     "load_tokenizer",
+    "load_wds_classification",
     "log_dropped",
+    "mtil_stream",
     "peek",
     "resolve_class_names",
     "stable_hash",
     "stream_by_class",
     "stream_by_column",
     "stream_by_time",
+    "stream_class_incremental",
     "stream_from_datasets",
     "stream_random_split",
     "to_canonical",

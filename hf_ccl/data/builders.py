@@ -28,6 +28,7 @@ import hashlib
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -71,16 +72,19 @@ __all__ = [
     "TaskSource",
     "TextSpec",
     "check_columns",
+    "class_incremental_steps",
     "column_values",
     "group_name",
     "load_split",
     "quiet_progress_bars",
+    "read_class_order",
     "remap_labels",
     "resolve_class_names",
     "source_name",
     "stream_by_class",
     "stream_by_column",
     "stream_by_time",
+    "stream_class_incremental",
     "stream_from_datasets",
     "stream_random_split",
     "subsample",
@@ -398,6 +402,7 @@ def _make_task(item: _Resolved, train: Dataset | IterableDataset, eval: Dataset,
         kind=item.spec.kind,
         class_names=item.class_names,
         eval_templates=list(item.spec.eval_templates or item.spec.templates) if item.class_names else None,
+        train_templates=list(item.spec.templates) if item.class_names else None,
         source=item.source,
         dropped=report,
     )
@@ -759,3 +764,178 @@ def stream_by_time(
         for i, task in enumerate(names)
     ]
     return _finish(_build_stream(stream_name, items, options, unassigned), items, options)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Class-incremental splits (CIFAR-100 10-10, TinyImageNet 100-10, ...)
+# ----------------------------------------------------------------------------------------------------------------
+
+CLASS_ORDER_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def read_class_order(path: str | Path) -> list[int | str]:
+    """A class order from a YAML or JSON file: a bare list, or a mapping with a `class_order` list (the layout of
+    MoE-Adapters' `cil/class_orders/*.yaml`)."""
+    import yaml
+
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ValueError(f"class_order: no such file {str(path)!r} (a YAML/JSON file with a `class_order` list)")
+    with open(path, encoding="utf-8") as handle:
+        data = yaml.safe_load(handle)  # JSON is YAML
+    if isinstance(data, Mapping):
+        if "class_order" not in data:
+            raise ValueError(f"class_order: file {str(path)!r} has no `class_order` key (keys: {', '.join(data)})")
+        data = data["class_order"]
+    if not isinstance(data, list) or not data:
+        raise ValueError(f"class_order: file {str(path)!r} must hold a non-empty list of classes, got {data!r:.80}")
+    return data
+
+
+def class_incremental_steps(
+    class_names: Sequence[str],
+    classes_per_step: int,
+    *,
+    initial_classes: int | None = None,
+    class_order: str | Path | Sequence[int | str] | None = None,
+    seed: int = 0,
+) -> list[list[int]]:
+    """The class indices of each step of a class-incremental split (see `stream_class_incremental`); every option
+    is checked, and an error names it."""
+    n_classes = len(class_names)
+    if not _is_count(classes_per_step) or classes_per_step < 1:
+        raise ValueError(f"classes_per_step must be a positive integer, got {classes_per_step!r}")
+    if initial_classes is not None and (not _is_count(initial_classes) or initial_classes < 1):
+        raise ValueError(f"initial_classes must be a positive integer or None, got {initial_classes!r}")
+    if class_order is None:
+        order = list(range(n_classes))
+    elif isinstance(class_order, str) and class_order == "seed":
+        order = np.random.default_rng(_stable_seed(seed, "class-order")).permutation(n_classes).tolist()
+    elif isinstance(class_order, (str, Path)):
+        if not str(class_order).lower().endswith(CLASS_ORDER_SUFFIXES):
+            raise ValueError(
+                f"class_order must be None, 'seed', a list of class indices or names, or a .yaml/.json file; "
+                f"got {class_order!r}"
+            )
+        order = _order_indices(read_class_order(class_order), class_names)
+    elif isinstance(class_order, Sequence):
+        order = _order_indices(class_order, class_names)
+    else:
+        raise ValueError(f"class_order must be None, 'seed', a list or a file, got {type(class_order).__name__}")
+    first = classes_per_step if initial_classes is None else initial_classes
+    if first > len(order):
+        raise ValueError(
+            f"{'initial_classes' if initial_classes is not None else 'classes_per_step'}={first} is more than the "
+            f"{len(order)} classes of class_order"
+        )
+    rest = len(order) - first
+    if rest % classes_per_step:
+        what = f"the {rest} classes after the first step's {first}" if initial_classes is not None else (
+            f"the {len(order)} classes")
+        raise ValueError(f"classes_per_step={classes_per_step} does not divide {what}")
+    return [order[:first]] + [order[i:i + classes_per_step] for i in range(first, len(order), classes_per_step)]
+
+
+def _order_indices(order: Sequence[Any], class_names: Sequence[str]) -> list[int]:
+    """A class order of indices and/or names as indices, each class once."""
+    if isinstance(order, (str, bytes)) or len(order) == 0:
+        raise ValueError(f"class_order must be a non-empty list of class indices or names, got {order!r}")
+    indices = []
+    for value in order:
+        if isinstance(value, str):
+            if value not in class_names:
+                raise ValueError(f"class_order: unknown class {value!r}; classes: {', '.join(class_names)}")
+            indices.append(list(class_names).index(value))
+        elif _is_count(value):
+            if not 0 <= int(value) < len(class_names):
+                raise ValueError(f"class_order: class index {value} out of range for {len(class_names)} classes")
+            indices.append(int(value))
+        else:
+            raise ValueError(f"class_order: {value!r} is neither a class index nor a class name")
+    repeated = [class_names[i] for i, count in Counter(indices).items() if count > 1]
+    if repeated:
+        raise ValueError(f"class_order names a class twice: {', '.join(repeated)}")
+    return indices
+
+
+def stream_class_incremental(
+    train: DatasetSource,
+    classes_per_step: int,
+    *,
+    eval: DatasetSource | None = None,
+    initial_classes: int | None = None,
+    class_order: str | Sequence[int | str] | None = None,
+    label_column: str = "label",
+    label_space: str = "task",
+    name: str | None = None,
+    task_names: Sequence[str] | None = None,
+    class_names: Sequence[str] | None = None,
+    train_templates: Sequence[str] | None = None,
+    eval_templates: Sequence[str] | None = None,
+    image_column: str = "image",
+    train_split: str = "train",
+    eval_split: str = "test",
+    source: str | None = None,
+    streaming: bool = False,
+    num_shards: int = 1,
+    shuffle_buffer: int | None = DEFAULT_SHUFFLE_BUFFER,
+    max_train_per_task: int | None = None,
+    max_eval_per_task: int | None = None,
+    seed: int = 0,
+    validate_images: bool = False,
+) -> TaskStream:
+    """Class-incremental split of one labelled dataset: `classes_per_step` classes per task (CIFAR-100 "10-10"),
+    optionally a larger first task of `initial_classes` (TinyImageNet "100-10": `initial_classes=100,
+    classes_per_step=10`). Built on `stream_by_class`.
+
+    `class_order`: the order classes are introduced in. `None`: the dataset's own order (0, 1, ...); `"seed"`: a
+    permutation seeded by `seed` (the same seed also seeds the subsamples); a list of class indices and/or names;
+    or a `.yaml`/`.json` file holding such a list or a mapping with a `class_order` list (MoE-Adapters'
+    `cil/class_orders/cifar100.yaml`). Each class may appear once; classes left out of the order are in no task
+    (their rows counted as dropped, `class in no task`). `classes_per_step` must divide the classes after the
+    first step. Every option is checked before any task is built; an error names the option.
+
+    `label_space="task"` (default): each task's `class_names` are its own classes (task-incremental zero-shot;
+    class-incremental scoring among all classes seen so far is the evaluator's business).
+    `label_space="all"`: every task keeps all class names and global labels. Default task names:
+    `"<source>-<k>"`. The other options are `stream_by_class`'s.
+    """
+    if label_space not in ("task", "all"):
+        raise ValueError(f"label_space must be 'task' or 'all', got {label_space!r}")
+    options = _Options(max_train_per_task, max_eval_per_task, seed, validate_images, streaming, num_shards,
+                       shuffle_buffer)
+    spec = dict(label_column=label_column, class_names=class_names, train_templates=train_templates,
+                eval_templates=eval_templates, image_column=image_column)
+    base = _base_source(train, eval, spec, (train_split, eval_split), source, stream_train=streaming)
+    all_names = base.class_names or []
+    groups = class_incremental_steps(all_names, classes_per_step, initial_classes=initial_classes,
+                                     class_order=class_order, seed=options.seed)
+    if task_names is not None and len(task_names) != len(groups):
+        raise ValueError(f"task_names has {len(task_names)} names for {len(groups)} steps")
+    return stream_by_class(
+        train,
+        eval,
+        groups,
+        label_column=label_column,
+        label_space=label_space,
+        name=name or f"{base.source}-{len(groups[0])}-{classes_per_step}",
+        task_names=list(task_names) if task_names is not None else [f"{base.source}-{k}" for k in range(len(groups))],
+        class_names=class_names,
+        train_templates=train_templates,
+        eval_templates=eval_templates,
+        image_column=image_column,
+        train_split=train_split,
+        eval_split=eval_split,
+        source=base.source,
+        streaming=streaming,
+        num_shards=num_shards,
+        shuffle_buffer=shuffle_buffer,
+        max_train_per_task=max_train_per_task,
+        max_eval_per_task=max_eval_per_task,
+        seed=seed,
+        validate_images=validate_images,
+    )

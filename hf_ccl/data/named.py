@@ -20,16 +20,21 @@ from PIL import Image
 from ..paths import data_root as default_data_root
 from .builders import (
     TaskSource,
+    load_split,
+    quiet_progress_bars,
     stream_by_class,
     stream_by_column,
     stream_by_time,
+    stream_class_incremental,
     stream_from_datasets,
     stream_random_split,
 )
 from .languages import FLICKR8K_LANGUAGES, flickr8k_languages
+from .mtil import mtil_stream
 from .pair_streams import flickr_fashion_pairs_stream  # noqa: F401  (registers flickr-fashion-pairs)
 from .stream_registry import NAMED_STREAMS, bundled, register
 from .task import TaskStream
+from .templates import benchmark_templates
 
 DIGIT_CLASS_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 DIGIT_TRAIN_TEMPLATES = ("a photo of the digit {label}.",)
@@ -334,3 +339,185 @@ def fashion_years(
         **common,
     )
 
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Classification streams: class-incremental CIFAR-10, a bundled MTIL-like stream, MTIL from the Hub
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@register("cifar10-classes")
+def cifar10_classes(
+    root: Path,
+    common: dict[str, Any],
+    *,
+    classes_per_step: int = 2,
+    initial_classes: int | None = None,
+    class_order: str | list[int | str] | None = None,
+    label_space: str = "task",
+) -> TaskStream:
+    """The bundled CIFAR-10 subset, class-incremental: 5 tasks of 2 classes (airplane+automobile, bird+cat, ...).
+
+    Train: 1000 images per class, eval: 500 per class (before `max_*_per_task`). Trains on "a photo of a {c}." and
+    is scored with CLIP_benchmark's 18 CIFAR-10 templates. `classes_per_step`, `initial_classes` and `class_order`
+    (None, "seed", a list of classes or a .yaml/.json file) are `stream_class_incremental`'s. By default
+    (`label_space="task"`) each task's `class_names` are its own classes; scoring among all classes seen so far is
+    the evaluator's business; `label_space="all"` keeps all ten names and global labels in every task.
+    """
+    templates = benchmark_templates("cifar10")
+    return stream_class_incremental(
+        bundled(root, "cifar10"),
+        classes_per_step,
+        initial_classes=initial_classes,
+        class_order=class_order,
+        label_space=label_space,
+        name="cifar10-classes",
+        train_templates=templates[:1],
+        eval_templates=templates,
+        source="cifar10",
+        **common,
+    )
+
+
+CIFAR10_TRAIN_TEMPLATES = ("a photo of a {label}.",)
+#: Fashion `sub_category` values with at least 25 train and 5 test products in the bundled data, and the class name
+#: each is prompted with (e.g. `Lips` holds lipsticks, lip glosses and lip liners).
+FASHION_SUBCATEGORIES = {
+    "Topwear": "tops",
+    "Shoes": "shoes",
+    "Bags": "bags",
+    "Bottomwear": "trousers",
+    "Watches": "watches",
+    "Innerwear": "underwear",
+    "Jewellery": "jewellery",
+    "Flip Flops": "flip flops",
+    "Fragrance": "perfume",
+    "Sandal": "sandals",
+    "Eyewear": "sunglasses",
+    "Lips": "lipstick",
+}
+FASHION_TRAIN_TEMPLATES = ("a product photo of {label}.",)
+FASHION_EVAL_TEMPLATES = (
+    "a product photo of {label}.",
+    "a catalogue photo of {label}.",
+    "a photo of {label}, a type of fashion product.",
+    "{label} on a white background.",
+    "an online shop photo of {label}.",
+)
+PACS_ALL_TRAIN_TEMPLATES = ("an image of a {label}.",)
+PACS_ALL_EVAL_TEMPLATES = (
+    "an image of a {label}.",
+    "a photo of a {label}.",
+    "a painting of a {label}.",
+    "a cartoon of a {label}.",
+    "a sketch of a {label}.",
+)
+#: The task keys of `mtil-bundled` in its two fixed orders (every task changes place from I to II).
+MTIL_BUNDLED_ORDERS = {
+    "I": ("digits", "cifar10", "rsscn7", "pacs", "fashion"),
+    "II": ("rsscn7", "fashion", "cifar10", "digits", "pacs"),
+}
+
+
+@lru_cache(maxsize=2)
+def fashion_subcategories(root: Path) -> DatasetDict:
+    """The bundled Fashion products of the `FASHION_SUBCATEGORIES`, with `sub_category` as a `ClassLabel` column
+    (12 classes; train 1397, test 358 products; the other 211 / 33 are left out)."""
+    names = list(FASHION_SUBCATEGORIES)
+    out = {}
+    for split in ("train", "test"):
+        data = load_split(bundled(root, "fashion"), split)
+        values = data.with_format("arrow")["sub_category"].to_pylist()
+        data = data.select([i for i, value in enumerate(values) if value in FASHION_SUBCATEGORIES])
+        with quiet_progress_bars():
+            out[split] = data.cast_column("sub_category", ClassLabel(names=names))
+    return DatasetDict(out)
+
+
+def _mtil_bundled_task(root: Path, key: str, pacs_domain: str) -> TaskSource:
+    if key == "digits":
+        return TaskSource(name="digits", train=digits_dataset(), label_column="label",
+                          train_templates=DIGIT_TRAIN_TEMPLATES, eval_templates=DIGIT_EVAL_TEMPLATES, source="digits")
+    if key == "cifar10":
+        return TaskSource(name="cifar10", train=bundled(root, "cifar10"), label_column="label",
+                          train_templates=CIFAR10_TRAIN_TEMPLATES, eval_templates=benchmark_templates("cifar10"))
+    if key == "rsscn7":
+        return TaskSource(name="rsscn7", train=bundled(root, "rsscn7"), label_column="label",
+                          train_templates=RSSCN7_TRAIN_TEMPLATES, eval_templates=RSSCN7_EVAL_TEMPLATES)
+    if key == "pacs":
+        if pacs_domain == "all":
+            return TaskSource(name="pacs", train=bundled(root, "pacs"), label_column="label",
+                              train_templates=PACS_ALL_TRAIN_TEMPLATES, eval_templates=PACS_ALL_EVAL_TEMPLATES)
+        return _pacs_task(root, pacs_domain, f"pacs-{pacs_domain}")
+    return TaskSource(name="fashion", train=fashion_subcategories(root), label_column="sub_category",
+                      class_names=list(FASHION_SUBCATEGORIES.values()), train_templates=FASHION_TRAIN_TEMPLATES,
+                      eval_templates=FASHION_EVAL_TEMPLATES, source="fashion")
+
+
+@register("mtil-bundled")
+def mtil_bundled(
+    root: Path,
+    common: dict[str, Any],
+    *,
+    order: str = "I",
+    tasks: tuple[str, ...] | None = None,
+    pacs_domain: str = "sketch",
+) -> TaskStream:
+    """MTIL-like: five classification datasets in turn, each its own label space: digits -> cifar10 -> rsscn7 -> pacs-sketch -> fashion.
+
+    Train/eval sizes (before `max_*_per_task`), classes:
+    - `digits`: scikit-learn 8x8 digits at 32 px, 1438/359, the ten digit names;
+    - `cifar10`: the bundled CIFAR-10 subset, 10000/5000, 10 classes, scored with CLIP_benchmark's 18 templates;
+    - `rsscn7`: aerial scenes, 2260/540, 7 classes;
+    - `pacs-sketch`: PACS sketches, 3122/807, 7 classes (dog, elephant, giraffe, guitar, horse, house, person).
+      Sketches by default, as the PACS domain farthest from the other four tasks (photos would repeat CIFAR-10's
+      natural photos and its dog and horse classes). `pacs_domain` picks another domain, or "all": the four
+      domains as one 7-class task `pacs` (7959/2032) prompted "an image of a {label}." and scored with one template
+      per domain;
+    - `fashion`: product photos by `sub_category`, the 12 categories with at least 25 train and 5 test products
+      (`FASHION_SUBCATEGORIES`: tops, shoes, bags, trousers, watches, underwear, jewellery, flip flops, perfume,
+      sandals, sunglasses, lipstick), 1397/358, prompted "a product photo of {label}.".
+
+    `order`: "I" (above) or "II" (rsscn7 -> fashion -> cifar10 -> digits -> pacs-sketch). `tasks`: any subset of
+    digits, cifar10, rsscn7, pacs, fashion, in the order given (it replaces `order`).
+    """
+    if order not in MTIL_BUNDLED_ORDERS:
+        raise ValueError(f"order must be one of {list(MTIL_BUNDLED_ORDERS)}, got {order!r}")
+    if pacs_domain not in (*PACS_DOMAINS, "all"):
+        raise ValueError(f"pacs_domain must be one of {[*PACS_DOMAINS, 'all']}, got {pacs_domain!r}")
+    keys = MTIL_BUNDLED_ORDERS[order]
+    if tasks is not None:
+        if isinstance(tasks, str) or not tasks:
+            raise ValueError(f"tasks must be a non-empty list of task names ({', '.join(keys)}), got {tasks!r}")
+        unknown = [task for task in tasks if task not in keys]
+        if unknown:
+            raise ValueError(f"tasks: unknown task(s) {unknown}; valid: {', '.join(MTIL_BUNDLED_ORDERS['I'])}")
+        repeated = sorted({task for task in tasks if list(tasks).count(task) > 1})
+        if repeated:
+            raise ValueError(f"tasks names a task twice: {', '.join(repeated)}")
+        keys = tuple(tasks)
+    entries = [_mtil_bundled_task(root, key, pacs_domain) for key in keys]
+    return stream_from_datasets(entries, name="mtil-bundled", **common)
+
+
+@register("mtil")
+def mtil(
+    root: Path,
+    common: dict[str, Any],
+    *,
+    order: str = "I",
+    datasets: tuple[str, ...] | None = None,
+    revision: str | dict[str, str] | None = None,
+    sources: dict[str, str] | None = None,
+    holdout_fraction: float = 0.2,
+) -> TaskStream:
+    """MTIL (ZSCL): 11 classification datasets from the Hub (clip-benchmark/wds_*), order I or II; see `hf_ccl.data.mtil`.
+
+    Downloads every split in full (tens of GB); `max_train_per_task` subsamples after loading. `datasets` picks a
+    subset in its own order; `revision` pins the repos; `sources` maps a dataset to another repo or a local folder
+    with the same layout. The data root is not used.
+    """
+    del root
+    return mtil_stream(order, list(datasets) if datasets is not None else None, revision=revision, sources=sources,
+                       holdout_fraction=holdout_fraction, name=f"mtil-{order}" if datasets is None else "mtil",
+                       **common)
