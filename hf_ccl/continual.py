@@ -44,6 +44,7 @@ from .checkpointing import (  # noqa: F401  (re-exported: public names of this m
     load_model_weights,
     newest_complete_trainer_checkpoint,
 )
+from .class_prompts import CLASS_SCOPES, CLASSIFICATION_LOSSES, ClassPrompts
 from .compute import ComputeCallback, TaskCompute, global_batch_size, phase_timer
 from .data.collate import CLIPCollator
 from .data.image_cache import cached_pixels_dataset, check_image_cache
@@ -112,6 +113,18 @@ class ContinualArguments:
         metadata={"help": "Reuse a task's eval embeddings while nothing that produced them changed (a frozen tower, "
                   "the same tokenizer, processor and rows; checked by identity and weight contents, "
                   "hf_ccl.evaluation.cache); false: recompute them at every evaluation."},
+    )
+    classification_loss: str = field(
+        default="contrastive",
+        metadata={"help": "How classification tasks train: 'contrastive': CLIP's loss on each image and one of its "
+                  "label's training prompts; 'cross_entropy': each image's cross-entropy over the prompts of its "
+                  "candidate classes (ZSCL Eq. 1, the ZSCL / MoE-Adapters fine-tuning loss; hf_ccl.class_prompts)."},
+    )
+    class_scope: str = field(
+        default="task",
+        metadata={"help": "The classes a classification task is scored among: 'task': its own (task-aware, MTIL); "
+                  "'seen': every class of the tasks trained so far (task-agnostic, the class-incremental protocol; "
+                  "the headline metric is then seen_accuracy, and the cross_entropy loss scores among them too)."},
     )
     save_checkpoints: bool = field(default=True, metadata={"help": "Write output_dir/task-<k>/ after every task."})
     progress: bool = field(default=True, metadata={"help": "Show progress bars for the stream and each task."})
@@ -198,6 +211,8 @@ class ContinualArguments:
         check_dataclass(self)
         self.training = validate_training_args(self.training)
         check_choice("warmup", self.warmup, WARMUP_RULES)
+        check_choice("classification_loss", self.classification_loss, CLASSIFICATION_LOSSES)
+        check_choice("class_scope", self.class_scope, CLASS_SCOPES)
         check_range("first_task_epochs", self.first_task_epochs, 0, low_open=True, also="or null")
         check_range("eval_batch_size", self.eval_batch_size, 1)
         check_range("eval_every", self.eval_every, 1)
@@ -285,6 +300,12 @@ def validate_stream(stream: TaskStream, args: ContinualArguments | None = None) 
                 raise ValueError(f"{where}: the {split_name} split is empty")
         if args is not None and is_streaming(task.train):
             _check_streaming_budget(args.training, args.samples_per_task, args.first_task_epochs, index, task.name)
+    if args is not None and not any(task.kind == "classification" for task in stream):
+        for key, value, default in (("classification_loss", args.classification_loss, "contrastive"),
+                                    ("class_scope", args.class_scope, "task")):
+            if value != default:
+                raise ConfigError(f"{key}: {value} applies to classification tasks, and stream {stream.name!r} has "
+                                  f"none: remove it", key)
 
 
 def _check_streaming_budget(
@@ -357,6 +378,10 @@ class ContinualLearner:
         check_family_methods(model, methods)
         check_pair_stream(stream, methods, args)
         check_image_cache(stream, image_processor, args.image_cache)
+        replacing = [method.name for method in methods if method.replaces_contrastive_loss]
+        if args.classification_loss == "cross_entropy" and replacing:
+            raise ConfigError(f"classification_loss: cross_entropy replaces the contrastive loss, and so does "
+                              f"{replacing[0]} (its terms are the whole loss): use one of them", "classification_loss")
         for method in methods:
             method.check_stream(stream)
         PartialState()  # joins the process group now when launched distributed (the Trainer would, later)
@@ -371,9 +396,9 @@ class ContinualLearner:
         self.output_dir = Path(args.output_dir)
         self.base_model = model.config._name_or_path or None  # what the run started from, for the model card
         self.model.align_special_tokens(tokenizer)
-        self.results = ResultsMatrix(
-            task_names=stream.task_names, headline_metrics=[task.headline_metric for task in stream]
-        )
+        self.results = ResultsMatrix(task_names=stream.task_names, headline_metrics=[
+            "seen_accuracy" if args.class_scope == "seen" and task.kind == "classification" else task.headline_metric
+            for task in stream])
         if args.spatial_disorder_task is not None and not 0 <= args.spatial_disorder_task < len(stream):
             raise ValueError(f"spatial_disorder_task must index a task of the stream (0..{len(stream) - 1})")
         self.task_callbacks = TaskCallbackHandler(
@@ -461,7 +486,7 @@ class ContinualLearner:
         else:
             first_task = 0
             if self.args.evaluate_initial:
-                self.results.add_row("initial", self.evaluate())
+                self.results.add_row("initial", self.evaluate(trained=0))
                 self.stream_logger.log_results(self.results, "initial", step=0)
         error: BaseException | None = None
         try:
@@ -514,7 +539,7 @@ class ContinualLearner:
             self.event("on_task_trained", context=context, trainer=trainer)
             if evaluated_after(index, len(self.stream), self.args.eval_every):
                 with phase_timer(clock, "eval"):
-                    metrics = self.evaluate()
+                    metrics = self.evaluate(trained=index + 1)
                 self.results.add_row(task.name, metrics)
                 self.event("on_task_evaluated", context=context, metrics=metrics)
             else:  # eval_every: the row is marked not evaluated (the derived metrics that need it are null)
@@ -568,6 +593,16 @@ class ContinualLearner:
         if context.tokenizer is not self.tokenizer:
             self.tokenizer = context.tokenizer
             self.model.align_special_tokens(self.tokenizer)
+
+    def _class_prompts(self, context: TaskContext) -> ClassPrompts | None:
+        """The candidate class prompts of a classification task trained with the cross-entropy loss: its own
+        classes, and those of the tasks before it in the `"seen"` scope or when a method trains on their rows."""
+        if self.args.classification_loss != "cross_entropy" or context.task.kind != "classification":
+            return None
+        past = self.args.class_scope == "seen" or any(method.trains_on_past_tasks for method in self.methods)
+        tasks = context.seen_tasks if past else [context.task]
+        return ClassPrompts.build(tasks, self.tokenizer, scope=self.args.class_scope, max_length=self.max_length,
+                                  padding=self.model.text_padding)
 
     def _train_dataset(self, context: TaskContext, training_args: TrainingArguments):  # noqa: ANN202 (datasets.Dataset)
         dataset = context.task.train
@@ -667,6 +702,9 @@ class ContinualLearner:
         options: dict[str, Any] = {}
         for method in self.methods:
             options.update(method.collator_options(context))
+        context.class_prompts = self._class_prompts(context)
+        if context.class_prompts is not None:
+            options["class_labels"] = context.class_prompts.labels
         if context.task.kind == "pair":
             if options:
                 raise ValueError(f"pair task {context.task.name!r} is batched from cached features: collator "
@@ -700,19 +738,23 @@ class ContinualLearner:
         return trainer
 
     # ----- evaluation and checkpoints ---------------------------------------------------------------------
-    def evaluate(self) -> dict[str, dict[str, float]]:
-        """Metrics of the current model on the eval split of every task (computed on the main process): on each
+    def evaluate(self, trained: int | None = None) -> dict[str, dict[str, float]]:
+        """Metrics of the current model, after training the first `trained` tasks (default: the rows of the results
+        so far, plus the task in progress), on the eval split of every task (computed on the main process): on each
         task's fixed subsample with `eval_max_examples`, reusing the embeddings of towers that did not change
         (`eval_cache`); the protocol is recorded in the results matrix (`hf_ccl.evaluation.schedule`)."""
         evaluator = self.__dict__.get("_evaluator")
         if evaluator is None:  # one per learner: its embedding cache lives as long as the run
             evaluator = self._evaluator = StreamEvaluator(
                 eval_every=self.args.eval_every, max_examples=self.args.eval_max_examples, seed=self.args.seed,
-                cache=self.args.eval_cache)
+                cache=self.args.eval_cache, class_scope=self.args.class_scope)
         evaluator.record(self.results, self.stream)  # a resume on other eval rows stops here, before any scoring
+        if trained is None:
+            trained = self.state.task_index + 1 if self.results.initial is not None or self.results.rows else 0
         metrics: dict[str, dict[str, float]] = {}
         if is_main_process():
             metrics = evaluator.evaluate(self.model, self.stream, self.image_processor, self.tokenizer,
-                                         batch_size=self.args.eval_batch_size, max_length=self.max_length)
+                                         batch_size=self.args.eval_batch_size, max_length=self.max_length,
+                                         trained=trained)
         barrier()
         return metrics

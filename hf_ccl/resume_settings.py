@@ -58,6 +58,9 @@ def run_settings(args: Any, stream: TaskStream, methods: Iterable[Any]) -> dict[
         # the rows each task is scored on: the rows before and after a resume must be comparable (stored only when
         # set, so that checkpoints written before the option resume unchanged)
         **({"eval_max_examples": args.eval_max_examples} if args.eval_max_examples is not None else {}),
+        # stored only when not the default, so that checkpoints written before these options resume unchanged
+        **({"classification_loss": args.classification_loss} if args.classification_loss != "contrastive" else {}),
+        **({"class_scope": args.class_scope} if args.class_scope != "task" else {}),
         "stream": {
             "name": stream.name,
             "tasks": [

@@ -20,6 +20,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .accumulation import Batch, accumulated_backward
 from .checkpoint_files import write_manifest
+from .class_prompts import CROSS_ENTROPY_TERM, ClassPrompts, class_prompt_loss
 from .distributed import is_main_process, rank
 from .methods.base import ContinualMethod, TaskContext
 from .methods.state import load_method_states, save_method_states
@@ -103,7 +104,8 @@ class ContinualTrainer(Trainer):
     """Trainer for one task of a continual stream.
 
     `compute_loss` returns `contrastive + sum(method terms)` (the method terms alone when a method sets
-    `replaces_contrastive_loss`); each term (and each method's `metrics()`) is summed on the device, averaged over
+    `replaces_contrastive_loss`; the class-prompt cross-entropy, ZSCL Eq. 1, instead of the contrastive loss on a
+    classification task trained with `classification_loss: cross_entropy`, `hf_ccl.class_prompts`); each term (and each method's `metrics()`) is summed on the device, averaged over
     the logging window and logged as `loss/<name>`.
 
     A NaN or infinite loss stops training with `NonFiniteLossError`, which names the first non-finite step and its
@@ -158,6 +160,17 @@ class ContinualTrainer(Trainer):
     def replaces_contrastive_loss(self) -> bool:
         """Whether a method's terms are the whole loss (the model's contrastive loss is then left out)."""
         return any(method.replaces_contrastive_loss for method in self.methods)
+
+    @property
+    def class_prompts(self) -> ClassPrompts | None:
+        """The class prompts of a task trained with the cross-entropy loss (`hf_ccl.class_prompts`), else None."""
+        return None if self.context is None else self.context.class_prompts
+
+    @property
+    def uses_contrastive_loss(self) -> bool:
+        """Whether the model's contrastive loss is a term of the loss (not replaced by a method's terms or by the
+        class-prompt cross-entropy)."""
+        return not self.replaces_contrastive_loss and self.class_prompts is None
 
     def get_decay_parameter_names(self, model: torch.nn.Module) -> list[str]:
         """The Trainer's rule (no decay for biases and norms) less the parameters a method's `no_weight_decay`
@@ -257,7 +270,7 @@ class ContinualTrainer(Trainer):
             with self.compute_loss_context_manager():
                 outputs = unwrapped.contrastive_outputs(
                     image_features, text_features, batch.get("text_hash"), batch.get("image_hash"),
-                    return_loss=not self.replaces_contrastive_loss,
+                    return_loss=self.uses_contrastive_loss,
                 )
                 return self._total_loss(unwrapped, batch, outputs)
 
@@ -274,14 +287,22 @@ class ContinualTrainer(Trainer):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
-        outputs = model(**inputs, return_loss=not self.replaces_contrastive_loss)
+        outputs = model(**inputs, return_loss=self.uses_contrastive_loss)
         loss = self._total_loss(self.unwrapped_model(model), inputs, outputs)
         return (loss, outputs) if return_outputs else loss
 
     def _total_loss(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor], outputs: Any) -> torch.Tensor:
         """The contrastive loss (unless a method replaces it) plus every method's terms, checked to be finite and
         summed on the device for logging."""
-        terms = {} if self.replaces_contrastive_loss else {CONTRASTIVE_TERM: outputs.loss}
+        prompts = self.class_prompts
+        if self.replaces_contrastive_loss:
+            terms = {}
+        elif prompts is not None:  # ZSCL Eq. 1: the batch's images against every candidate class prompt
+            labels = inputs["class_labels"]
+            terms = {CROSS_ENTROPY_TERM: class_prompt_loss(
+                model, outputs.image_embeds, prompts.class_embeddings(model), labels, prompts.candidate_mask(labels))}
+        else:
+            terms = {CONTRASTIVE_TERM: outputs.loss}
         for method in self.methods:
             for name, value in method.loss_terms(model, inputs, outputs, self.context).items():
                 terms[f"{method.name}/{name}"] = value

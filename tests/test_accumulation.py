@@ -100,3 +100,25 @@ def test_every_method_trains_the_same_with_32x2_as_with_64x1(tmp_path, method):
     assert seen == [c.samples_seen for c in whole.compute] and seen[0] == 128  # (oracle trains t x C)
     for (name, mine), theirs in zip(accumulated.model.named_parameters(), whole.model.parameters(), strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("methods", [["finetune"], ["er"]])
+def test_cross_entropy_trains_the_same_with_32x2_as_with_64x1(tmp_path, methods):
+    """The class-prompt cross-entropy (its class prompts encoded once per step, with gradients) under exact
+    accumulation; with replay, rows of the earlier task are scored among their own task's classes."""
+    sgd = {"learning_rate": 0.5, "optim": "sgd", "weight_decay": 0.0, "lr_scheduler_type": "constant",
+           "warmup_steps": 0}
+    runs = {}
+    for batch, steps in ((32, 2), (64, 1)):
+        recorder = LogRecorder()
+        training = {**sgd, "per_device_train_batch_size": batch, "gradient_accumulation_steps": steps}
+        learner = run_method(methods, tmp_path / f"{batch}x{steps}", training, samples_per_task=128,
+                             callbacks=[recorder], classification_loss="cross_entropy")
+        runs[batch] = (learner, recorder)
+    (accumulated, accumulated_logs), (whole, whole_logs) = runs[32], runs[64]
+    for task in (0, 1):
+        mine, theirs = accumulated_logs.first_step(task), whole_logs.first_step(task)
+        assert "loss/class_cross_entropy" in theirs and "loss/contrastive" not in theirs
+        assert mine["loss/class_cross_entropy"] == pytest.approx(theirs["loss/class_cross_entropy"], rel=1e-4)
+    for (name, mine), theirs in zip(accumulated.model.named_parameters(), whole.model.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4, msg=name)

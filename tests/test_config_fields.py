@@ -35,6 +35,7 @@ DEFAULT_ARGS: dict[str, Any] = {
     "keep_trainer_checkpoints": False, "card_license": None, "resume_allow_changes": [],
     "image_modalities": ["image"], "precomputed_modalities": [],
     "eval_every": 1, "eval_max_examples": None, "eval_cache": True, "image_cache": False,
+    "classification_loss": "contrastive", "class_scope": "task",
 }
 #: What each bundled recipe changes in them (`training`: the options it changes), recorded the same way.
 RECIPE_ARGS: dict[str, dict[str, Any]] = {
@@ -155,6 +156,8 @@ SPECIAL: dict[str, tuple[Any, dict[str, Any]]] = {
     "samples_per_task": (512, {}),
     "image_modalities": (["image", "sketch"], {}),
     "precomputed_modalities": (["audio"], {}),
+    "classification_loss": ("cross_entropy", {}),
+    "class_scope": ("seen", {}),
 }
 
 

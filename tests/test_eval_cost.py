@@ -262,7 +262,7 @@ def test_eval_every_in_a_run_marks_the_rows_it_skips(tmp_path):
     learner = _learner(tmp_path, _two_tasks(), save_checkpoints=False, **OPTIONS)
     calls = []
     evaluate = learner.evaluate
-    learner.evaluate = lambda: calls.append(1) or evaluate()
+    learner.evaluate = lambda **kwargs: calls.append(1) or evaluate(**kwargs)
     results = learner.fit()
     assert len(calls) == 2  # the initial row and the last task's
     assert [row.evaluated for row in results.rows] == [False, True]

@@ -54,6 +54,9 @@ class Task:
     class_names: list[str] | None = None
     eval_templates: list[str] | None = None
     source: str = ""
+    #: The templates a classification task's labels were put through for its training captions (None: the
+    #: default `("a photo of a {label}.",)`); the class prompts of the cross-entropy loss (`hf_ccl.class_prompts`).
+    train_templates: list[str] | None = None
     #: Rows of this task's selection the builder left out: split ("train"/"eval") -> reason -> rows. A train split
     #: streamed from its source is not counted (rows are skipped as they are read).
     dropped: dict[str, dict[str, int]] = field(default_factory=dict)

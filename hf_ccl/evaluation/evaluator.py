@@ -6,7 +6,7 @@ process only.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -66,20 +66,31 @@ def _evaluate_classification(
     batch_size: int,
     max_length: int | None,
     cache: CacheSession | None,
+    seen_class_names: Sequence[str] | None = None,
 ) -> dict[str, float]:
     templates = list(task.eval_templates or DEFAULT_TEMPLATES)
     class_names = list(task.class_names or [])
 
-    def compute() -> torch.Tensor:
-        return zero_shot_classifier(
-            model, class_names, templates, tokenizer, batch_size=batch_size, max_length=max_length
-        )
+    def classifier(names: list[str], kind: str) -> torch.Tensor:
+        def compute() -> torch.Tensor:
+            return zero_shot_classifier(model, names, templates, tokenizer, batch_size=batch_size,
+                                        max_length=max_length)
 
-    made_of = [class_names, templates]
-    class_embeds = compute() if cache is None else cache.texts(task.name, task.eval, made_of, compute, "classes")
+        return compute() if cache is None else cache.texts(task.name, task.eval, [names, templates], compute, kind)
+
     labels = torch.tensor(list(iter_column(task.eval, "label", batch_size)), dtype=torch.long)
     image_embeds = _encode_eval_images(model, task, image_processor, batch_size, cache)
-    return zero_shot_accuracy(image_embeds, labels, class_embeds)
+    metrics = zero_shot_accuracy(image_embeds, labels, classifier(class_names, "classes"))
+    if seen_class_names is not None:  # task-agnostic: among every class seen so far (the task's own included)
+        seen = list(seen_class_names)
+        missing = sorted(set(class_names) - set(seen))
+        if missing:
+            raise ValueError(f"task {task.name!r}: seen_class_names lacks the task's own classes {missing}")
+        position = {name: index for index, name in enumerate(seen)}
+        seen_labels = torch.tensor([position[class_names[label]] for label in labels.tolist()], dtype=torch.long)
+        seen_metrics = zero_shot_accuracy(image_embeds, seen_labels, classifier(seen, "seen-classes"))
+        metrics.update({f"seen_{name}": value for name, value in seen_metrics.items()})
+    return metrics
 
 
 def evaluate_task(
@@ -92,13 +103,16 @@ def evaluate_task(
     max_length: int | None = None,
     chunk_size: int = 1024,
     cache: CacheSession | None = None,
+    seen_class_names: Sequence[str] | None = None,
 ) -> dict[str, float]:
     """All metrics of `model` on `task.eval`, always including `task.headline_metric`.
 
     Retrieval tasks: `recall_at_k` over every eval image and all of its captions (`i2t_R@K`, `t2i_R@K`, `R_mean`);
     identical captions are one text, a positive of every image they describe, and ties count in expectation.
     Classification tasks: zero-shot accuracy among `task.class_names` with the `task.eval_templates` ensemble
-    (default `["a photo of a {label}."]`): `accuracy`, `top5_accuracy` when there are more than 5 classes.
+    (default `["a photo of a {label}."]`): `accuracy`, `top5_accuracy` when there are more than 5 classes; with
+    `seen_class_names` (the task-agnostic protocol, `hf_ccl.class_prompts.seen_class_names`) also `seen_accuracy`
+    (and `seen_top5_accuracy`), among those classes with the task's own templates.
     Pair tasks (encoded by `hf_ccl.pair_features`): Recall@K between their two modalities' learner outputs, and
     the drift of their alignment matrix once learned (`hf_ccl.evaluation.pairs`).
     With `cache` (an `EmbeddingCache.session` of this model), embeddings whose producers did not change since they
@@ -111,7 +125,8 @@ def evaluate_task(
             model, task, image_processor, tokenizer, batch_size, max_length, chunk_size, cache
         )
     else:
-        metrics = _evaluate_classification(model, task, image_processor, tokenizer, batch_size, max_length, cache)
+        metrics = _evaluate_classification(model, task, image_processor, tokenizer, batch_size, max_length, cache,
+                                           seen_class_names)
     if task.headline_metric not in metrics:
         raise RuntimeError(
             f"task {task.name!r}: headline metric {task.headline_metric!r} missing from {metrics}"

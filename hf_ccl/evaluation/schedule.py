@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..class_prompts import CLASS_SCOPES, seen_class_names
 from ..data.builders import subsample
 from ..data.task import Task
 from .cache import EmbeddingCache
@@ -41,11 +42,14 @@ class StreamEvaluator:
     """Evaluates every task of a stream, on each task's fixed subsample, reusing unchanged embeddings."""
 
     def __init__(self, *, eval_every: int = 1, max_examples: int | None = None, seed: int = 0,
-                 cache: bool = True) -> None:
+                 cache: bool = True, class_scope: str = "task") -> None:
         if max_examples is not None and max_examples < 1:
             raise ValueError(f"eval_max_examples must be >= 1 or None, got {max_examples}")
         evaluated_after(0, 1, eval_every)  # checks eval_every
+        if class_scope not in CLASS_SCOPES:
+            raise ValueError(f"class_scope must be one of {list(CLASS_SCOPES)}, got {class_scope!r}")
         self.eval_every, self.max_examples, self.seed = eval_every, max_examples, seed
+        self.class_scope = class_scope
         self.cache = EmbeddingCache() if cache else None
         self._tasks: dict[str, tuple[weakref.ref, Task]] = {}
 
@@ -61,13 +65,19 @@ class StreamEvaluator:
         return held[1]
 
     def evaluate(self, model: torch.nn.Module, tasks: Any, image_processor: Any, tokenizer: Any, *,
-                 batch_size: int, max_length: int | None) -> dict[str, dict[str, float]]:
-        """Metrics of `model` on every task (stream order)."""
+                 batch_size: int, max_length: int | None, trained: int = 0) -> dict[str, dict[str, float]]:
+        """Metrics of `model` on every task (stream order), after training the first `trained` of them; in the
+        `"seen"` class scope classification tasks are also scored among the classes of those tasks
+        (`seen_accuracy`)."""
+        tasks = list(tasks)
         session = None if self.cache is None else self.cache.session(
             model, tokenizer, image_processor, batch_size=batch_size, max_length=max_length)
         return {
-            task.name: evaluate_task(model, self.task(task), image_processor, tokenizer, batch_size=batch_size,
-                                     max_length=max_length, cache=session)
+            task.name: evaluate_task(
+                model, self.task(task), image_processor, tokenizer, batch_size=batch_size, max_length=max_length,
+                cache=session,
+                seen_class_names=(seen_class_names(tasks[:trained], task)
+                                  if self.class_scope == "seen" and task.kind == "classification" else None))
             for task in tasks
         }
 

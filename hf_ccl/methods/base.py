@@ -102,6 +102,9 @@ class TaskContext:
     run_settings: dict[str, Any] | None = None
     #: The task checkpoint the run resumed from or last wrote (None before the first).
     last_checkpoint: str | None = None
+    #: With `classification_loss: cross_entropy` on a classification task: the class prompts its loss scores rows
+    #: among (`hf_ccl.class_prompts.ClassPrompts`); None when the task trains with the contrastive loss.
+    class_prompts: Any = None
     # --- set when the task trains -------------------------------------------------------------------------------
     #: This task's `TrainingArguments` and its torch optimizer (before Accelerate wraps it).
     training_args: TrainingArguments | None = None
@@ -148,6 +151,10 @@ class ContinualMethod:
     #: True when the method is correct on pair tasks (CMCL's learner heads on cached features, `learner_heads`):
     #: its hooks handle feature batches of one modality pair per task. Others are refused on pair streams.
     trains_pair_tasks: ClassVar[bool] = False
+    #: True when the method trains a task on rows of earlier tasks too (replay, joint training): a cross-entropy loss
+    #: (`classification_loss: cross_entropy`) then also encodes the earlier tasks' class prompts, each row scored
+    #: among its own task's classes (`hf_ccl.class_prompts`).
+    trains_on_past_tasks: ClassVar[bool] = False
 
     # Combinations, declared by each method and checked by `build_methods` before anything is built or trained.
     #: What the method does that another method may clash with: {role: what it does} (the text is used in errors).

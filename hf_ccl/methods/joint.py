@@ -28,6 +28,7 @@ class Joint(ContinualMethod):
 
     name = "joint"
     config_class = JointConfig
+    trains_on_past_tasks = True
     roles = {"training_data": "trains each task on the data of every task so far"}
     conflicts = {"training_data": "already trains each task on the data of every task so far: use one of them"}
 

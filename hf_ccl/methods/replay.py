@@ -150,6 +150,7 @@ class ExperienceReplay(ContinualMethod):
 
     name = "er"
     config_class = ERConfig
+    trains_on_past_tasks = True
     roles = {"training_data": "mixes a buffer of past examples into each task's data"}
     conflicts = {"training_data": "already mixes a buffer of past examples into each task's data: use one of them"}
 

@@ -78,6 +78,7 @@ class FromScratch(ContinualMethod):
     first step's warmup (specs/ticclip.md §2.4 and §7 item 13: Restart and Oracle start from random init)."""
 
     config_class = RestartConfig
+    trains_on_past_tasks = True
     roles = {
         "training_data": "trains each step on the union of all steps so far",
         "fresh_model": "starts every step from a freshly initialised model",

@@ -298,6 +298,7 @@ class CumulativeReplay(ContinualMethod):
 
     config_class = CumulativeConfig
     rule: ClassVar[str] = ""
+    trains_on_past_tasks = True
     roles = {"training_data": "trains each step on its data plus a buffer of older steps (TiC-CLIP's Cumulative)"}
     conflicts = {"training_data": "already trains each step on its data plus a buffer of older steps (TiC-CLIP's "
                  "Cumulative): use one of them"}
