@@ -48,6 +48,7 @@ from .class_prompts import CLASS_SCOPES, CLASSIFICATION_LOSSES, ClassPrompts
 from .compute import ComputeCallback, TaskCompute, global_batch_size, phase_timer
 from .data.collate import CLIPCollator
 from .data.image_cache import cached_pixels_dataset, check_image_cache
+from .data.reference import ReferenceBatches
 from .data.streaming import column_names, is_empty, is_streaming, whole_batches
 from .data.task import TaskStream
 from .data.workers import dataloader_defaults, training_device_type
@@ -718,6 +719,11 @@ class ContinualLearner:
             # What task-end hooks may need to run the model over the task's data (EWC's Fisher, MAS, DER).
             context.collator = CLIPCollator(self.image_processor, self.tokenizer, max_length=self.max_length,
                                             train=False, seed=context.seed, padding=padding, **options)
+        for method in self.methods:  # reference sets, collated like the task's own batches (ZSCL)
+            reference = method.reference_data(context)
+            if reference is not None:
+                context.references[method.name] = ReferenceBatches(reference, context.collator, context.seed,
+                                                                   context.task_index)
         train_dataset = self._train_dataset(context, training_args)
         context.train_dataset = train_dataset
         context.per_device_batch_size = training_args.per_device_train_batch_size

@@ -241,6 +241,8 @@ class ContinualTrainer(Trainer):
         if not self.accelerator.gradient_state.sync_gradients:
             self._pending_chunks.append(inputs)
             return torch.zeros((), device=self.args.device)
+        if self.context is not None:  # the step methods draw per-step data for (reference batches, GEM's memory)
+            self.context.global_step = self.state.global_step
         chunks = [self._prepare_inputs(chunk) for chunk in (*self._pending_chunks, inputs)]
         self._pending_chunks = []
         model.train()

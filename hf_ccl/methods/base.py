@@ -6,6 +6,7 @@
 | `train_dataset`        | transform the data a task trains on (replay, joint training)           |
 | `training_overrides`   | change this task's TrainingArguments (Oracle's larger budget, warmup)  |
 | `collator_options`     | extra `CLIPCollator` options for this task (e.g. parallel captions)    |
+| `reference_data`       | images and texts from outside the stream, batched every step (ZSCL)    |
 | `loss_terms`           | extra named loss terms, added to the contrastive loss and logged       |
 | `replaces_contrastive_loss` | (class flag) the loss is the methods' terms alone (CLL-CLIP)      |
 | `no_weight_decay`      | model parameters the optimizer must not decay (TEIR decays per row)    |
@@ -35,6 +36,7 @@ from transformers import PreTrainedTokenizerBase, TrainingArguments
 from ..validation import ConfigError, check_mapping, type_hints
 
 if TYPE_CHECKING:
+    from ..data.reference import ReferenceData
     from ..data.task import Task, TaskStream
     from ..modeling import ContinualDualEncoder, ContinualDualEncoderOutput
 
@@ -105,6 +107,9 @@ class TaskContext:
     #: With `classification_loss: cross_entropy` on a classification task: the class prompts its loss scores rows
     #: among (`hf_ccl.class_prompts.ClassPrompts`); None when the task trains with the contrastive loss.
     class_prompts: Any = None
+    #: Each method's reference batches (`hf_ccl.data.reference.ReferenceBatches`), by method name: built by the
+    #: loop from the method's `reference_data`; read with `reference_batch`.
+    references: dict[str, Any] = field(default_factory=dict)
     # --- set when the task trains -------------------------------------------------------------------------------
     #: This task's `TrainingArguments` and its torch optimizer (before Accelerate wraps it).
     training_args: TrainingArguments | None = None
@@ -122,6 +127,14 @@ class TaskContext:
     def seen_tasks(self) -> list[Task]:
         """Tasks trained so far, this one included."""
         return self.stream.tasks[: self.task_index + 1]
+
+    def reference_batch(self, method: ContinualMethod, device: torch.device | str | None = None
+                        ) -> dict[str, torch.Tensor]:
+        """`method`'s reference batch of the optimizer step in progress (`global_step`, set by the trainer before
+        the loss), collated like the task's batches: image inputs, `input_ids`, `attention_mask`."""
+        if method.name not in self.references:
+            raise ValueError(f"method {method.name!r} has no reference data: return it from its reference_data hook")
+        return self.references[method.name].batch(self.global_step, device)
 
     def replace_tokenizer(self, tokenizer: PreTrainedTokenizerBase, new_token_ids: list[int] | None = None) -> None:
         """Train, evaluate and save from now on with `tokenizer` (its `new_token_ids` added at this task)."""
@@ -187,6 +200,12 @@ class ContinualMethod:
     def train_dataset(self, context: TaskContext, dataset: Dataset) -> Dataset:
         """The dataset this task trains on (default: the task's own train split)."""
         return dataset
+
+    def reference_data(self, context: TaskContext) -> ReferenceData | None:
+        """Images and texts from outside the stream the method reads at every step (ZSCL's reference set), or None.
+        The loop batches them with the task's collator (`hf_ccl.data.reference`); `loss_terms` reads the step's batch
+        with `context.reference_batch(self)`."""
+        return None
 
     def training_overrides(self, context: TaskContext, training: dict[str, Any]) -> dict[str, Any]:
         """TrainingArguments fields to change for this task, given the ones the loop would use (`training`, which
