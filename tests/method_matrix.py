@@ -34,6 +34,7 @@ METHOD_ARGS: dict[str, dict[str, Any]] = {
     "ctp": {"queue_size": 32}, "patching": {"validation_size": 4},
     "gem": {"memory_per_task": 16}, "agem": {"memory_per_task": 16, "reference_batch_size": 8},
     "mas": {"importance_batch_size": 8, "importance_max_batches": 1},
+    "weight_ensemble": {"every": 1},
 }
 METHODS = sorted(available_methods())
 #: Methods that are another matrix method's class with another formula or alias (TiC's names for the same loop):
@@ -51,6 +52,7 @@ SAME_STEP_AS = {
     "sequential": "finetune", "joint": "finetune", "cumulative_all": "finetune", "cumulative_exp": "finetune",
     "cumulative_equal": "finetune", "oracle": "finetune", "restart": "finetune", "patching": "finetune",
     "lwf": "modx", "mas": "ewc", "er": "derpp", "der": "derpp", "grow_vocab": "cllclip", "prompt": "lora",
+    "wise_ft": "finetune",
 }
 assert set(SAME_STEP_AS) | set(SAME_STEP_AS.values()) <= set(METHODS), "SAME_STEP_AS names an unknown method"
 REPRESENTATIVE = {name for name in METHODS if name not in SAME_STEP_AS}
@@ -70,7 +72,7 @@ FAMILY_DEFAULTS = {
     "siglip2": {"finetune", "cllclip", "gem"},
     "altclip": {"finetune", "teir", "lora"},
     "chinese_clip": {"finetune", "dns", "learner_heads"},
-    "metaclip_2": {"finetune", "si"},
+    "metaclip_2": {"finetune", "si", "weight_ensemble"},
 }
 assert set(FAMILY_DEFAULTS) == set(OTHER_FAMILIES), "FAMILY_DEFAULTS names every other family"
 assert REPRESENTATIVE <= set().union(*FAMILY_DEFAULTS.values()), "a representative method runs on no other family"

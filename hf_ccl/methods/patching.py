@@ -39,6 +39,7 @@ from ..evaluation.evaluator import evaluate_task
 from ..validation import check_count_or_fraction, check_range
 from .base import ContinualMethod, MethodConfig, TaskContext
 from .registry import register_method
+from .weight_ensemble import cpu_state_dict, interpolate_state_dicts
 
 logger = logging.getLogger(__name__)
 
@@ -46,30 +47,9 @@ DEFAULT_ALPHAS = [round(0.1 * k, 1) for k in range(11)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Pure pieces: interpolation, scoring, the grid search
+# Pure pieces: scoring, the grid search (the interpolation is `weight_ensemble.interpolate_state_dicts`, shared
+# with `wise_ft`)
 # ----------------------------------------------------------------------------------------------------------------
-def interpolate_state_dicts(
-    old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], alpha: float
-) -> dict[str, torch.Tensor]:
-    """(1 - alpha) * old + alpha * new for every floating-point tensor (computed in float32 when the tensor is in a
-    lower precision, then cast back), on `new`'s device; other tensors (integer buffers) are copied from `new`."""
-    if set(old) != set(new):
-        raise ValueError(f"State dicts differ in keys: {sorted(set(old) ^ set(new))[:5]}")
-    alpha = float(alpha)
-    out: dict[str, torch.Tensor] = {}
-    for name, target in new.items():
-        if not torch.is_floating_point(target):
-            out[name] = target.clone()
-            continue
-        source = old[name].to(device=target.device)
-        if source.shape != target.shape:
-            raise ValueError(f"{name}: shape {tuple(source.shape)} vs {tuple(target.shape)}")
-        work = torch.promote_types(target.dtype, torch.float32)
-        mixed = (1.0 - alpha) * source.to(work) + alpha * target.to(work)
-        out[name] = mixed.to(target.dtype)
-    return out
-
-
 def task_score(metrics: Mapping[str, float], task: Task, metric: str | None = None) -> float:
     """The number alpha is chosen by: `metric` if given, else R@1 (mean of both directions) for retrieval tasks and
     zero-shot accuracy for classification tasks."""
@@ -101,10 +81,6 @@ def _from_main_process(value: Any) -> Any:
     holder = [value]
     torch.distributed.broadcast_object_list(holder, src=0)
     return holder[0]
-
-
-def _cpu_copy(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in model.state_dict().items()}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -243,7 +219,7 @@ class Patching(ContinualMethod):
 
     def on_task_start(self, context: TaskContext) -> None:
         """Snapshot theta^p_{t-1}, the model this task starts from (a CPU copy of its state dict)."""
-        self._previous = None if context.task_index == 0 else _cpu_copy(context.model)
+        self._previous = None if context.task_index == 0 else cpu_state_dict(context.model)
 
     def train_dataset(self, context: TaskContext, dataset: Dataset) -> Dataset:
         self.validation.hold_out(context)
