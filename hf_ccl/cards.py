@@ -93,6 +93,11 @@ DERIVED_LABELS = {
     "tic_fwt": "TiC forward",
     "tic_rel_bwt": "TiC relative backward",
     "tic_rel_fwt": "TiC relative forward",
+    "mtil_transfer": "MTIL Transfer",
+    "mtil_average": "MTIL Avg.",
+    "mtil_last": "MTIL Last",
+    "class_incremental_average": "class-incremental Avg",
+    "class_incremental_last": "class-incremental Last",
 }
 
 _CREDENTIAL_KEY = re.compile(r"token|secret|password|passwd|api_?key|credential", re.IGNORECASE)

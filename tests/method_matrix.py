@@ -34,7 +34,10 @@ METHOD_ARGS: dict[str, dict[str, Any]] = {
     "ctp": {"queue_size": 32}, "patching": {"validation_size": 4},
     "gem": {"memory_per_task": 16}, "agem": {"memory_per_task": 16, "reference_batch_size": 8},
     "mas": {"importance_batch_size": 8, "importance_max_batches": 1},
+    "moe_adapters": {"num_experts": 4, "bottleneck": 4, "router_noise": False, "dropout": 0.0, "ddas_steps": 20,
+                     "ddas_code_dim": 8},
     "weight_ensemble": {"every": 1},
+    "zscl": {"reference_examples": 24, "reference_batch_size": 8, "ensemble_every": 1},
 }
 METHODS = sorted(available_methods())
 #: Methods that are another matrix method's class with another formula or alias (TiC's names for the same loop):
@@ -52,7 +55,7 @@ SAME_STEP_AS = {
     "sequential": "finetune", "joint": "finetune", "cumulative_all": "finetune", "cumulative_exp": "finetune",
     "cumulative_equal": "finetune", "oracle": "finetune", "restart": "finetune", "patching": "finetune",
     "lwf": "modx", "mas": "ewc", "er": "derpp", "der": "derpp", "grow_vocab": "cllclip", "prompt": "lora",
-    "wise_ft": "finetune",
+    "wise_ft": "finetune", "weight_ensemble": "zscl",
 }
 assert set(SAME_STEP_AS) | set(SAME_STEP_AS.values()) <= set(METHODS), "SAME_STEP_AS names an unknown method"
 REPRESENTATIVE = {name for name in METHODS if name not in SAME_STEP_AS}
@@ -69,10 +72,10 @@ OTHER_FAMILIES = [family for family in FAMILIES if family != "clip"]
 #: `REPRESENTATIVE` step mechanism on one family, SigLIP (the sigmoid loss) taking the distillation and replay ones.
 FAMILY_DEFAULTS = {
     "siglip": {"finetune", "modx", "ctp", "derpp", "ewc", "agem"},
-    "siglip2": {"finetune", "cllclip", "gem"},
+    "siglip2": {"finetune", "cllclip", "gem", "moe_adapters"},
     "altclip": {"finetune", "teir", "lora"},
     "chinese_clip": {"finetune", "dns", "learner_heads"},
-    "metaclip_2": {"finetune", "si", "weight_ensemble"},
+    "metaclip_2": {"finetune", "si", "zscl"},
 }
 assert set(FAMILY_DEFAULTS) == set(OTHER_FAMILIES), "FAMILY_DEFAULTS names every other family"
 assert REPRESENTATIVE <= set().union(*FAMILY_DEFAULTS.values()), "a representative method runs on no other family"

@@ -59,9 +59,16 @@ def test_summarize_keys_and_values() -> None:
             "tic_rel_fwt": TIC_REL_FWT,
             "forward_transfer": FWT,
             "initial_average": 25 / 3,
+            "mtil_transfer": cm.mtil_transfer(R),
+            "mtil_average": cm.mtil_average(R),
+            "mtil_last": FINAL,
         }
     )
     assert "forward_transfer" not in cm.summarize(R)
+    assert "class_incremental_average" not in summary
+    with_sizes = cm.summarize(R, sizes=[2, 1, 1])
+    assert with_sizes["class_incremental_average"] == pytest.approx(cm.class_incremental_average(R, [2, 1, 1]))
+    assert with_sizes["class_incremental_last"] == pytest.approx(cm.class_incremental_last(R, [2, 1, 1]))
 
 
 def _tic_identity_holds(matrix: np.ndarray) -> bool:

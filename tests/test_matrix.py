@@ -171,3 +171,19 @@ def test_heatmap_colour_scale_is_fixed_at_0_to_100() -> None:
     for n_rows in (1, 2):  # other values, other revisions: the same scale
         (image,) = matrix_heatmap_figure(_matrix(n_rows=n_rows)).axes[0].images
         assert image.get_clim() == (0.0, 100.0)
+
+
+def test_class_incremental_metrics_need_seen_scores_and_eval_sizes() -> None:
+    seen = ResultsMatrix(["a", "b"], "seen_accuracy")
+    seen.add_row("a", {"a": {"seen_accuracy": 80.0}, "b": {"seen_accuracy": 0.0}})
+    seen.add_row("b", {"a": {"seen_accuracy": 40.0}, "b": {"seen_accuracy": 70.0}})
+    assert "class_incremental_average" not in seen.summary()  # no eval sizes recorded
+    seen.evaluation = {"examples": {"a": {"rows": 30, "evaluated": 30}, "b": {"rows": 10, "evaluated": 10}}}
+    # after a: 80; after b: (30 * 40 + 10 * 70) / 40 = 47.5; Avg = (80 + 47.5) / 2.
+    assert seen.summary()["class_incremental_last"] == pytest.approx(47.5)
+    assert seen.summary()["class_incremental_average"] == pytest.approx(63.75)
+    aware = ResultsMatrix(["a", "b"], "accuracy")
+    aware.evaluation = seen.evaluation
+    aware.add_row("a", {"a": {"accuracy": 80.0}})
+    assert "class_incremental_last" not in aware.summary()  # task-aware scores are not the class-incremental ones
+    assert aware.summary()["mtil_last"] == pytest.approx(80.0)

@@ -161,12 +161,16 @@ def tic_relative_forward(R: ArrayLike) -> float:
     return float((matrix[rows, cols] - matrix[rows, rows]).sum() / _triangle_divisor(T))
 
 
-def summarize(R: ArrayLike, b: np.ndarray | Sequence[float] | None = None) -> dict[str, float]:
+def summarize(
+    R: ArrayLike, b: np.ndarray | Sequence[float] | None = None, sizes: np.ndarray | Sequence[float] | None = None
+) -> dict[str, float]:
     """Every summary of `R` in one dict.
 
     Keys: `final_average`, `average_incremental`, `forgetting`, `backward_transfer`, `tic_id`, `tic_bwt`, `tic_fwt`,
-    `tic_rel_bwt`, `tic_rel_fwt`, and, only when the initial-model scores `b` are given, `forward_transfer` and
-    `initial_average` (mean of b). With T = 1 the keys that need two steps are present with NaN.
+    `tic_rel_bwt`, `tic_rel_fwt`, `mtil_transfer`, `mtil_average`, `mtil_last`; only when the initial-model scores
+    `b` are given, `forward_transfer` and `initial_average` (mean of b); only when the eval sizes `sizes` are given
+    (a class-incremental matrix, scored among the classes seen so far), `class_incremental_average` and
+    `class_incremental_last`. With T = 1 the keys that need two steps are present with NaN.
     """
     matrix = as_square(R)
     summary = {
@@ -179,11 +183,17 @@ def summarize(R: ArrayLike, b: np.ndarray | Sequence[float] | None = None) -> di
         "tic_fwt": tic_forward(matrix),
         "tic_rel_bwt": tic_relative_backward(matrix),
         "tic_rel_fwt": tic_relative_forward(matrix),
+        "mtil_transfer": mtil_transfer(matrix),
+        "mtil_average": mtil_average(matrix),
+        "mtil_last": mtil_last(matrix),
     }
     if b is not None:
         baseline = _as_baseline(b, matrix.shape[0])
         summary["forward_transfer"] = forward_transfer(matrix, baseline)
         summary["initial_average"] = float(baseline.mean())
+    if sizes is not None:
+        summary["class_incremental_average"] = class_incremental_average(matrix, sizes)
+        summary["class_incremental_last"] = class_incremental_last(matrix, sizes)
     return summary
 
 

@@ -32,6 +32,12 @@ DERIVED_DESCRIPTIONS = {
     "tic_fwt": "TiC-CLIP forward: flat mean of the strict upper triangle",
     "tic_rel_bwt": "TiC-CLIP relative backward: lower triangle minus each row's diagonal",
     "tic_rel_fwt": "TiC-CLIP relative forward: upper triangle minus each row's diagonal",
+    "mtil_transfer": "MTIL Transfer (ZSCL): per task j >= 1, the mean of its scores before it is trained, averaged",
+    "mtil_average": "MTIL Avg. (ZSCL): per task, the mean of its scores over all steps, averaged",
+    "mtil_last": "MTIL Last (ZSCL): the mean over tasks after the last step (= final_average)",
+    "class_incremental_average": "class-incremental Avg (iCaRL): mean over steps of the accuracy on every eval "
+                                 "example seen so far, among the classes seen so far",
+    "class_incremental_last": "class-incremental Last: that accuracy after the last step",
 }
 
 
@@ -187,7 +193,17 @@ class ResultsMatrix:
         if k == 0:
             return {}
         initial = self.initial_headline()
-        return summarize(self.headline()[:k, :k], None if initial is None else initial[:k])
+        sizes = self.eval_sizes()
+        class_incremental = sizes is not None and all(m == "seen_accuracy" for m in self.headline_metrics[:k])
+        return summarize(self.headline()[:k, :k], None if initial is None else initial[:k],
+                         sizes[:k] if class_incremental else None)
+
+    def eval_sizes(self) -> list[int] | None:
+        """Eval examples each task was scored on (from the recorded protocol), None when not recorded."""
+        examples = (self.evaluation or {}).get("examples") or {}
+        if not all(task in examples for task in self.task_names):
+            return None
+        return [int(examples[task]["evaluated"]) for task in self.task_names]
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict (NaN becomes None); the summary is included for readers but not read back."""
