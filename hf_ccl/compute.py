@@ -6,6 +6,7 @@ proportional to samples seen (specs/ticclip.md §1.5: MACs ≈ 2.1e10 × samples
 
     samples seen   = optimizer steps × global batch (exact; what the budget `samples_per_task` fixes)
     MACs estimate  = samples seen × forward MACs per sample × (3 + extra forward passes)
+                     + optimizer steps × step MACs (class prompts, reference batches: measured per task)
 
 The forward MACs per sample are measured once per task with `torch.utils.flop_counter.FlopCounterMode` on a real
 training batch (FLOPs / 2); a training step costs about 3 forward passes (forward + backward, the usual estimate);
@@ -70,6 +71,9 @@ class TaskCompute:
     trainable_parameters: int | None = None
     total_parameters: int | None = None
     method_state_bytes: dict[str, int] = field(default_factory=dict)
+    #: MACs of every optimizer step besides its examples' passes (included in `macs`): the class prompts of the
+    #: cross-entropy loss, the methods' reference batches (`ContinualMethod.step_macs`).
+    step_macs: float = 0.0
 
     @property
     def wall_seconds(self) -> float:
@@ -167,12 +171,28 @@ def forward_macs_per_sample(model: torch.nn.Module, batch: dict[str, Any]) -> fl
 
 
 def task_compute(
-    task: str, optimizer_steps: int, global_batch: int, macs_per_sample: float, extra_forward_passes: float
+    task: str, optimizer_steps: int, global_batch: int, macs_per_sample: float, extra_forward_passes: float,
+    step_macs: float = 0.0,
 ) -> TaskCompute:
     samples = optimizer_steps * global_batch
     passes = BACKWARD_FACTOR + extra_forward_passes
     return TaskCompute(task, optimizer_steps, global_batch, samples, macs_per_sample, passes,
-                       samples * macs_per_sample * passes)
+                       samples * macs_per_sample * passes + optimizer_steps * step_macs, step_macs=step_macs)
+
+
+def class_prompt_step_macs(model: torch.nn.Module, prompts: Any) -> float:
+    """MACs one optimizer step spends on the cross-entropy's class prompts (`hf_ccl.class_prompts`): their text
+    forward pass, measured, times `BACKWARD_FACTOR` (they are encoded with gradients)."""
+    counter = FlopCounterMode(display=False)
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    try:
+        with torch.no_grad(), counter:
+            model.embed_texts(prompts.input_ids.to(device), prompts.attention_mask.to(device))
+    finally:
+        model.train(was_training)
+    return counter.get_total_flops() / 2.0 * BACKWARD_FACTOR
 
 
 def save_compute(records: list[TaskCompute], directory: str | Path) -> None:
@@ -368,6 +388,7 @@ class ComputeCallback(TaskCallback):
     def __init__(self) -> None:
         self.records: list[TaskCompute] = []
         self._macs_per_sample = 0.0
+        self._step_macs = 0.0
         self._parameters: tuple[int, int] = (0, 0)
 
     def on_task_begin(self, args: Any, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
@@ -377,6 +398,11 @@ class ComputeCallback(TaskCallback):
         learner = kwargs["learner"]
         self._macs_per_sample = measured_forward_macs(learner.model, kwargs["collator"], kwargs["train_dataset"])
         self._parameters = trainable_parameter_count(learner.model, learner.methods)
+        context = kwargs["context"]
+        self._step_macs = sum(method.step_macs(learner.model, context) for method in learner.methods)
+        if context.class_prompts is not None:
+            self._step_macs += class_prompt_step_macs(learner.model, context.class_prompts)
+        self._step_macs *= world_size()  # every process encodes the prompts and its (same) reference batch
 
     def on_task_trained(self, args: Any, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
         trainer, methods = kwargs["trainer"], kwargs["learner"].methods
@@ -384,7 +410,8 @@ class ComputeCallback(TaskCallback):
         if trainer.args.gradient_accumulation_steps > 1:
             passes += REENCODE_PASSES
         record = task_compute(kwargs["context"].task.name, trainer.state.global_step,
-                              global_batch_size(trainer.args.to_dict()), self._macs_per_sample, passes)
+                              global_batch_size(trainer.args.to_dict()), self._macs_per_sample, passes,
+                              self._step_macs)
         record.trainable_parameters, record.total_parameters = self._parameters
         record.seconds = kwargs["context"].phase_seconds  # the loop's clock: later phases land here too
         self.records.append(record)

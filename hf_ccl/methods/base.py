@@ -207,6 +207,11 @@ class ContinualMethod:
         with `context.reference_batch(self)`."""
         return None
 
+    def step_macs(self, model: ContinualDualEncoder, context: TaskContext) -> float:
+        """Multiply-accumulates the method adds to every optimizer step beyond `extra_forward_passes` per example
+        (e.g. its reference batch's passes), for `hf_ccl.compute`; measured at the task's start."""
+        return 0.0
+
     def training_overrides(self, context: TaskContext, training: dict[str, Any]) -> dict[str, Any]:
         """TrainingArguments fields to change for this task, given the ones the loop would use (`training`, which
         already holds `max_steps` when the run has a compute budget). Return only the changed fields."""
