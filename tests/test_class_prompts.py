@@ -175,3 +175,25 @@ def test_options_refused_where_they_cannot_apply(tmp_path):
     with pytest.raises(ConfigError, match="has none"):
         ContinualLearner(model, stream, build_methods(["finetune"]), default_image_processor(model), load_tokenizer(),
                          args)
+
+
+RECIPES = ["finetune", "lwf", "wise_ft", "zscl", "moe_adapters", "er"]
+
+
+@pytest.mark.parametrize("method", RECIPES)
+def test_the_mtil_recipes_run_from_the_command_line(tmp_path, capsys, method):
+    """recipes/configs/<method>-mtil-bundled.yaml through `hf-ccl train` (what `accelerate launch recipes/train.py`
+    runs) on two of its tasks and a tiny random CLIP: the cross-entropy trains, and results.md has MTIL's metrics."""
+    from hf_ccl.cli import main
+
+    overrides = [
+        f"output_dir={tmp_path}", "progress=false", "training.max_steps=2", "training.per_device_train_batch_size=8",
+        "stream_args={max_train_per_task: 16, max_eval_per_task: 8, tasks: [digits, rsscn7]}", "model.pretrained=null",
+        "model.config={hidden_size: 32, num_layers: 1, num_heads: 2, image_size: 32, patch_size: 8, projection_dim: 32}",
+    ]
+    if method == "zscl":
+        overrides.append("method_args.zscl={reference_examples: 16, reference_batch_size: 8, ensemble_every: 1}")
+    assert main(["train", "--config", f"{method}-mtil-bundled", *overrides]) == 0
+    assert "| after rsscn7 |" in capsys.readouterr().out
+    results = (tmp_path / "results.md").read_text()
+    assert "mtil_transfer" in results and "mtil_average" in results

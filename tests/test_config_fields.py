@@ -81,6 +81,30 @@ RECIPE_ARGS: dict[str, dict[str, Any]] = {
         "output_dir": "outputs/pacs-domains-finetune", "first_task_epochs": 10,
         "training": {"num_train_epochs": 5, "per_device_train_batch_size": 128, "learning_rate": 0.0005},
     },
+    "er-mtil-bundled": {
+        "output_dir": "outputs/er-mtil-bundled", "classification_loss": "cross_entropy",
+        "training": {"num_train_epochs": 3, "per_device_train_batch_size": 64, "learning_rate": 0.0005},
+    },
+    "finetune-mtil-bundled": {
+        "output_dir": "outputs/finetune-mtil-bundled", "classification_loss": "cross_entropy",
+        "training": {"num_train_epochs": 3, "per_device_train_batch_size": 64, "learning_rate": 0.0005},
+    },
+    "lwf-mtil-bundled": {
+        "output_dir": "outputs/lwf-mtil-bundled", "classification_loss": "cross_entropy",
+        "training": {"num_train_epochs": 3, "per_device_train_batch_size": 64, "learning_rate": 0.0005},
+    },
+    "moe_adapters-mtil-bundled": {
+        "output_dir": "outputs/moe_adapters-mtil-bundled", "classification_loss": "cross_entropy",
+        "training": {"num_train_epochs": 3, "per_device_train_batch_size": 64, "learning_rate": 0.0005},
+    },
+    "wise_ft-mtil-bundled": {
+        "output_dir": "outputs/wise_ft-mtil-bundled", "classification_loss": "cross_entropy",
+        "training": {"num_train_epochs": 3, "per_device_train_batch_size": 64, "learning_rate": 0.0005},
+    },
+    "zscl-mtil-bundled": {
+        "output_dir": "outputs/zscl-mtil-bundled", "classification_loss": "cross_entropy",
+        "training": {"num_train_epochs": 3, "per_device_train_batch_size": 64, "learning_rate": 0.0005},
+    },
     "tic-fashion-years": {
         "output_dir": "outputs/tic-fashion-years-cumulative_all", "evaluate_initial": False,
         "samples_per_task": 4096, "warmup": "first_task",
