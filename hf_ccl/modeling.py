@@ -377,7 +377,7 @@ class ContinualDualEncoder:
     def plain_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights of the plain model this one stands for: no `text_prompt`, the learner heads folded in."""
         state = {name: tensor for name, tensor in self.state_dict().items()  # type: ignore[attr-defined]
-                 if not name.startswith(("text_prompt.", "learner_heads."))}
+                 if not name.startswith(("text_prompt.", "learner_heads.", "moe_adapters."))}
         if self.learner_heads is not None:
             names = self.projection_names["image"], self.projection_names["text"]
             if None in names:
