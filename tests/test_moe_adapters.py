@@ -494,3 +494,49 @@ def test_resuming_mid_task_restores_routers_counts_and_experts(tmp_path, clip_to
         torch.testing.assert_close(resumed["bank"][key], value, rtol=0, atol=0, msg=key)
     for key, value in uninterrupted["counts"].items():
         assert torch.equal(resumed["counts"][key], value), key
+
+
+def test_the_evaluator_scores_each_route_with_its_own_image_and_text_embeddings(tmp_path):
+    """After 2 tasks with DDAS, `evaluate_task` routes every eval image by DDAS and scores it with that route's image
+    AND class-prompt embeddings: the accuracy is the route-weighted mean of per-route accuracies computed by hand, the
+    route shares add up to 100, and with every image refused (threshold ~0) it is exactly the frozen model's."""
+    from hf_ccl.data import load_tokenizer
+    from hf_ccl.evaluation.evaluator import evaluate_task
+    from hf_ccl.evaluation.zeroshot import zero_shot_accuracy, zero_shot_classifier
+    from hf_ccl.families import default_image_processor
+
+    stream = _stream()
+    model = tiny_model()
+    frozen = copy.deepcopy(model).eval()
+    processor, tokenizer = default_image_processor(model), load_tokenizer()
+    args = ContinualArguments(output_dir=str(tmp_path), save_checkpoints=False, progress=False, evaluate_initial=False,
+                              training={"max_steps": 3, "per_device_train_batch_size": 16})
+    learner = ContinualLearner(model, stream, build_methods(["moe_adapters"], {"moe_adapters": SMALL}),
+                               processor, tokenizer, args)
+    learner.fit()
+    model, task = learner.model.eval(), stream[0]
+    metrics = evaluate_task(model, task, processor, tokenizer)
+    shares = {k: v for k, v in metrics.items() if k.startswith("route_")}
+    assert sum(shares.values()) == pytest.approx(100.0)
+    assert any(name != "route_frozen" for name in shares)  # task 0's images reach a task router
+
+    from hf_ccl.evaluation.encode import encode_images
+
+    bank = moe_bank(model)
+    images = list(task.eval["image"])
+    labels = torch.tensor(task.eval["label"])
+    with use_routes(model, -1):
+        routes = bank.select(torch.nn.functional.normalize(encode_images(model, processor, images), dim=-1))
+    expected = 0.0
+    for route in sorted(set(routes.tolist())):
+        rows = torch.nonzero(routes == route).flatten()
+        with use_routes(model, route):
+            embeds = encode_images(model, processor, [images[i] for i in rows.tolist()])
+            classes = zero_shot_classifier(model, task.class_names, task.eval_templates, tokenizer)
+        expected += zero_shot_accuracy(embeds, labels[rows], classes)["accuracy"] * len(rows) / len(images)
+    assert metrics["accuracy"] == pytest.approx(expected, abs=1e-6)
+
+    bank.ddas_threshold = 1e-12  # every image out of distribution: the frozen model, exactly
+    refused = evaluate_task(model, task, processor, tokenizer)
+    assert refused["route_frozen"] == 100.0
+    assert refused["accuracy"] == evaluate_task(frozen, task, processor, tokenizer)["accuracy"]

@@ -6,7 +6,8 @@ process only.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from .cache import CacheSession, EmbeddingCache
 from .encode import encode_images, encode_texts
 from .pairs import evaluate_pair_task
 from .retrieval import captions_to_text_to_image, recall_at_k, unique_texts
+from .routing import EvaluationRouter, evaluation_router, route_groups, routing_metrics
 from .zeroshot import DEFAULT_TEMPLATES, zero_shot_accuracy, zero_shot_classifier
 
 
@@ -79,8 +81,7 @@ def _evaluate_classification(
         return compute() if cache is None else cache.texts(task.name, task.eval, [names, templates], compute, kind)
 
     labels = torch.tensor(list(iter_column(task.eval, "label", batch_size)), dtype=torch.long)
-    image_embeds = _encode_eval_images(model, task, image_processor, batch_size, cache)
-    metrics = zero_shot_accuracy(image_embeds, labels, classifier(class_names, "classes"))
+    seen_labels = None
     if seen_class_names is not None:  # task-agnostic: among every class seen so far (the task's own included)
         seen = list(seen_class_names)
         missing = sorted(set(class_names) - set(seen))
@@ -88,9 +89,42 @@ def _evaluate_classification(
             raise ValueError(f"task {task.name!r}: seen_class_names lacks the task's own classes {missing}")
         position = {name: index for index, name in enumerate(seen)}
         seen_labels = torch.tensor([position[class_names[label]] for label in labels.tolist()], dtype=torch.long)
-        seen_metrics = zero_shot_accuracy(image_embeds, seen_labels, classifier(seen, "seen-classes"))
-        metrics.update({f"seen_{name}": value for name, value in seen_metrics.items()})
-    return metrics
+
+    def score(image_embeds: torch.Tensor, rows: torch.Tensor | slice) -> dict[str, float]:
+        metrics = zero_shot_accuracy(image_embeds, labels[rows], classifier(class_names, "classes"))
+        if seen_labels is not None:
+            seen_metrics = zero_shot_accuracy(image_embeds, seen_labels[rows], classifier(seen, "seen-classes"))
+            metrics.update({f"seen_{name}": value for name, value in seen_metrics.items()})
+        return metrics
+
+    router = evaluation_router(model)
+    if router is not None:
+        routed = _routed_classification(model, router, task, image_processor, batch_size, score)
+        if routed is not None:
+            return routed
+    return score(_encode_eval_images(model, task, image_processor, batch_size, cache), slice(None))
+
+
+def _routed_classification(
+    model: torch.nn.Module, router: EvaluationRouter, task: Task, image_processor: Any, batch_size: int,
+    score: Callable[[torch.Tensor, torch.Tensor], dict[str, float]],
+) -> dict[str, float] | None:
+    """Score each route's images with that route's image and class embeddings (`hf_ccl.evaluation.routing`); the
+    metrics are the routes' example-weighted means, plus each route's share. None when evaluation is not routed."""
+    with router.evaluation_route(model, -1):
+        frozen = _encode_eval_images(model, task, image_processor, batch_size, None)
+    routes = router.evaluation_routes(torch.nn.functional.normalize(frozen, dim=-1))
+    if routes is None:
+        return None
+    routes = routes.cpu()
+    totals: dict[str, float] = {}
+    for route, rows in route_groups(routes):
+        subset = dataclasses.replace(task, eval=task.eval.select(rows))
+        with router.evaluation_route(model, route):
+            metrics = score(_encode_eval_images(model, subset, image_processor, batch_size, None), torch.tensor(rows))
+        for name, value in metrics.items():
+            totals[name] = totals.get(name, 0.0) + value * len(rows) / routes.numel()
+    return {**totals, **routing_metrics(routes)}
 
 
 def evaluate_task(

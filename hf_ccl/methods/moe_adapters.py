@@ -69,9 +69,11 @@ its 11 routers allocated up front (one per task is added here); its catch-all Ti
 `select_routes(model, image_inputs) -> LongTensor[B]` (DDAS per image: a task index, or -1), and the context manager
 `use_routes(model, routes)` (an int for every sample, a LongTensor[B] per sample, -1 the frozen model exactly, None
 the current task's router). Outside a `use_routes` block: training uses the current task's router; evaluation
-follows `eval_routing` (`current`, the default: the last trained task's router for images and texts alike, since a
-text cannot know which image it will be compared with; `frozen`: the model without adapters; `ddas`: each image
-through `select_routes`, texts through the current task's router).
+follows `eval_routing`: `ddas` (the default with `ddas: true`, the paper): hf_ccl's evaluator routes each eval image by
+DDAS and scores it with its route's image and class-prompt embeddings (`MoEAdapterBank.evaluation_routes`,
+`hf_ccl.evaluation.routing`; results carry each route's share as `route_<t>` / `route_frozen`), while a forward
+outside the evaluator routes images per DDAS and texts through the current router; `current` (the default without
+DDAS): the last trained task's router for images and texts alike; `frozen`: the model without adapters.
 
 **Checkpoints.** The experts, routers, AEs, thresholds, choice counts and the frozen set live in `model.moe_adapters`
 (a submodule, so they train, move and synchronise with the model) and in the method state (`method_state.safetensors`
@@ -485,6 +487,19 @@ class MoEAdapterBank(nn.Module):
         routes = torch.where(best_error > limit, torch.full_like(best, -1), best)
         return routes.expand(embeddings.shape[0]) if self.ddas_selection == "batch" else routes
 
+    # ----- the evaluator's routing (hf_ccl.evaluation.routing.EvaluationRouter) ------------------------------
+    def evaluation_routes(self, frozen_image_embeds: torch.Tensor) -> torch.Tensor | None:
+        """With `eval_routing: ddas` and at least one autoencoder, the DDAS route of every eval image: the evaluator
+        then scores each route's images with that route's image AND text embeddings (the paper's and the official
+        evaluation's pairing). None otherwise (the model's default routing applies)."""
+        if self.state.eval_routing != "ddas" or not len(self.autoencoders) or self.num_routes == 0:
+            return None
+        return self.select(frozen_image_embeds.to(self.thresholds.device))
+
+    def evaluation_route(self, model: nn.Module, route: int) -> contextlib.AbstractContextManager[None]:
+        """`use_routes(model, route)`: every forward inside takes `route` (-1: the frozen model)."""
+        return use_routes(model, route)
+
     def ddas_pre_hook(self, vision_model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """`eval_routing: ddas`: route the images of an eval forward through `select` (their frozen embeddings
         first: the vision tower without adapters, and the image projection)."""
@@ -674,11 +689,13 @@ class MoEAdaptersConfig(MethodConfig):
         metadata={"help": "'image': a route per image (the paper); 'batch': one route per batch from the batch's "
                           "mean errors (the official evaluation.py)."},
     )
-    eval_routing: Literal["current", "frozen", "ddas"] = field(
-        default="current",
-        metadata={"help": "Routes of evaluation forwards outside a use_routes block: 'current' (the last trained "
-                          "task's router, images and texts), 'frozen' (no adapters) or 'ddas' (images per DDAS, "
-                          "texts on the current router)."},
+    eval_routing: Literal["current", "frozen", "ddas"] | None = field(
+        default=None,
+        metadata={"help": "How evaluation routes (null: 'ddas' with ddas, else 'current'): 'ddas' (the paper: each "
+                          "image by the auto-selector; the evaluator "
+                          "scores each route's images with that route's class prompts, hf_ccl.evaluation.routing; "
+                          "outside the evaluator, images per DDAS and texts on the current router), 'current' (the "
+                          "last trained task's router, images and texts) or 'frozen' (no adapters)."},
     )
 
     def __post_init__(self) -> None:
@@ -702,6 +719,8 @@ class MoEAdaptersConfig(MethodConfig):
         check_range("ddas_threshold", self.ddas_threshold, 0.0, low_open=True, also="or null")
         check_range("ddas_quantile", self.ddas_quantile, 0.0, 1.0, low_open=True)
         check_range("ddas_margin", self.ddas_margin, 0.0, low_open=True)
+        if self.eval_routing is None:
+            self.eval_routing = "ddas" if self.ddas else "current"
         if self.eval_routing == "ddas" and not self.ddas:
             raise ConfigError("eval_routing 'ddas' needs ddas: true", "eval_routing")
 
