@@ -74,6 +74,7 @@ def method_args(name: str, options) -> dict:
         "wise_ft": {"wise_ft": {"alpha": options.wise_alpha, "reference": "initial"}},
         "zscl": {"zscl": {"reference_examples": options.reference_examples, "reference_batch_size": options.batch_size,
                           "ensemble_every": options.ensemble_every}},
+        "moe_adapters": {"moe_adapters": {"bottleneck": options.moe_bottleneck}},
     }.get(name, {})
 
 
@@ -133,6 +134,7 @@ def write(runs: list[dict], tasks: list[str], options, path: Path) -> None:
         f"--lr {options.lr} --pretrain-examples {options.pretrain_examples} --pretrain-epochs "
         f"{options.pretrain_epochs} --buffer-size {options.buffer_size} --wise-alpha {options.wise_alpha} "
         f"--reference-examples {options.reference_examples} --ensemble-every {options.ensemble_every} "
+        f"--moe-bottleneck {options.moe_bottleneck} "
         f"--seeds {options.seeds}`  ",
         f"A random CLIP {MODEL} with the real CLIP vocabulary, pretrained on English Flickr8k "
         f"({options.pretrain_examples} images, {options.pretrain_epochs} epochs): the zero-shot model. Then the tasks "
@@ -213,16 +215,17 @@ def main() -> None:
     parser.add_argument("--methods", default=METHODS)
     parser.add_argument("--train-per-task", type=int, default=1000)
     parser.add_argument("--eval-per-task", type=int, default=300)
-    parser.add_argument("--epochs", type=float, default=3)
+    parser.add_argument("--epochs", type=float, default=5)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--pretrain-examples", type=int, default=6000)
     parser.add_argument("--pretrain-epochs", type=float, default=10)
     parser.add_argument("--buffer-size", type=int, default=200)
     parser.add_argument("--wise-alpha", type=float, default=0.8)
     parser.add_argument("--reference-examples", type=int, default=2000)
     parser.add_argument("--ensemble-every", type=int, default=10)
-    parser.add_argument("--seeds", default="0")
+    parser.add_argument("--moe-bottleneck", type=int, default=8, help="expert width (ViT-B/16: 64 of 768)")
+    parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "mtil_bundled"))
     options = parser.parse_args()
     stream = build_stream("mtil-bundled", max_train_per_task=options.train_per_task,
