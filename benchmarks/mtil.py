@@ -102,7 +102,8 @@ def run(name: str, pretrained, stream, options, seed: int) -> dict:
         ContinualArguments(output_dir=f"/tmp/hf_ccl_mtil/{name}-{seed}", save_checkpoints=False, progress=False,
                            seed=seed, overwrite_output_dir=True, classification_loss="cross_entropy",
                            training={"num_train_epochs": options.epochs,
-                                     "per_device_train_batch_size": options.batch_size, "learning_rate": options.lr,
+                                     "per_device_train_batch_size": options.batch_size,
+                                     "learning_rate": options.moe_lr if name == "moe_adapters" else options.lr,
                                      "weight_decay": 0.1, "warmup_steps": 0.1, "lr_scheduler_type": "cosine",
                                      "logging_steps": 50}),
         callbacks=[times],
@@ -134,12 +135,13 @@ def write(runs: list[dict], tasks: list[str], options, path: Path) -> None:
         f"--lr {options.lr} --pretrain-examples {options.pretrain_examples} --pretrain-epochs "
         f"{options.pretrain_epochs} --buffer-size {options.buffer_size} --wise-alpha {options.wise_alpha} "
         f"--reference-examples {options.reference_examples} --ensemble-every {options.ensemble_every} "
-        f"--moe-bottleneck {options.moe_bottleneck} "
+        f"--moe-bottleneck {options.moe_bottleneck} --moe-lr {options.moe_lr} "
         f"--seeds {options.seeds}`  ",
         f"A random CLIP {MODEL} with the real CLIP vocabulary, pretrained on English Flickr8k "
         f"({options.pretrain_examples} images, {options.pretrain_epochs} epochs): the zero-shot model. Then the tasks "
         f"{' -> '.join(tasks)} ({options.train_per_task} training images each, {options.epochs} epochs, batch "
-        f"{options.batch_size}, lr {options.lr}, cosine), with the image-to-class-prompt cross-entropy; each task is "
+        f"{options.batch_size}, lr {options.lr}, moe_adapters' lr {options.moe_lr}: its experts start at zero and "
+        f"are scaled by 0.1; cosine), with the image-to-class-prompt cross-entropy; each task is "
         f"scored task-aware by zero-shot accuracy (its eval templates) on {options.eval_per_task} eval images. "
         "Transfer / Avg. / Last as ZSCL's `mtil/results.ipynb`: Transfer = per task j >= 1 the mean of its accuracy "
         "at the steps before it is trained, averaged over tasks; Avg. = per task the mean over all steps; Last = the "
@@ -224,7 +226,10 @@ def main() -> None:
     parser.add_argument("--wise-alpha", type=float, default=0.8)
     parser.add_argument("--reference-examples", type=int, default=2000)
     parser.add_argument("--ensemble-every", type=int, default=10)
-    parser.add_argument("--moe-bottleneck", type=int, default=8, help="expert width (ViT-B/16: 64 of 768)")
+    parser.add_argument("--moe-bottleneck", type=int, default=16, help="expert width (ViT-B/16: 64 of 768)")
+    parser.add_argument("--moe-lr", type=float, default=2e-2,
+                        help="moe_adapters' learning rate (zero-initialised experts scaled by 0.1: the official "
+                             "scripts use 1e-3..5e-3 over 1000 iterations per task)")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "mtil_bundled"))
     options = parser.parse_args()
