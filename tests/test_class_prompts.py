@@ -197,3 +197,21 @@ def test_the_mtil_recipes_run_from_the_command_line(tmp_path, capsys, method):
     assert "| after rsscn7 |" in capsys.readouterr().out
     results = (tmp_path / "results.md").read_text()
     assert "mtil_transfer" in results and "mtil_average" in results
+
+
+def test_ewc_takes_the_fisher_of_the_loss_the_task_trained_with(digits, clip_tokenizer):
+    """`batch_task_loss` (EWC's Fisher objective) is the class-prompt cross-entropy on a cross-entropy task's batch
+    and the contrastive loss otherwise."""
+    from hf_ccl.data import CLIPCollator
+    from hf_ccl.methods.regularization import batch_contrastive_loss, batch_task_loss
+
+    model = tiny_model().eval()
+    prompts = ClassPrompts.build([digits.tasks[0]], clip_tokenizer)
+    rows = [digits.tasks[0].train[i] for i in range(8)]
+    batch = CLIPCollator(default_image_processor(model), clip_tokenizer, train=False, class_labels=prompts.labels)(rows)
+    with torch.no_grad():
+        images = model.embed_images(batch["pixel_values"])
+        expected = class_prompt_loss(model, images, prompts.class_embeddings(model), batch["class_labels"],
+                                     prompts.candidate_mask(batch["class_labels"]))
+        torch.testing.assert_close(batch_task_loss(model, batch, prompts), expected)
+        torch.testing.assert_close(batch_task_loss(model, batch, None), batch_contrastive_loss(model, batch))

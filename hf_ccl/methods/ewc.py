@@ -6,7 +6,8 @@
 
 F_t is the diagonal empirical Fisher of task t. It is estimated at the end of the task over the task's training
 data (one pass by default), with the model in eval mode, as the mean over batches of the squared gradient of each
-batch's contrastive loss:
+batch's contrastive loss (the class-prompt cross-entropy for a classification task trained with
+`classification_loss: cross_entropy`: the Fisher of the loss the task trained with):
 
     F_t = (1/|B|) Σ_{b ∈ B} (∇_θ L_contrastive(b))².
 
@@ -27,6 +28,7 @@ Where this differs from the sources:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from .base import TaskContext
@@ -34,7 +36,7 @@ from .registry import register_method
 from .regularization import (
     QuadraticPenaltyConfig,
     QuadraticPenaltyMethod,
-    batch_contrastive_loss,
+    batch_task_loss,
     check_accumulation,
     mean_gradient_statistic,
     task_batches,
@@ -100,7 +102,6 @@ class EWC(QuadraticPenaltyMethod):
         model = context.model
         config = self.config
         batches = task_batches(context, self.name, config.fisher_batch_size, config.fisher_max_batches)
-        fisher = mean_gradient_statistic(
-            model, batches, self.covered_parameters(model), batch_contrastive_loss, statistic="square"
-        )
+        loss = functools.partial(batch_task_loss, class_prompts=context.class_prompts)  # the loss the task trained
+        fisher = mean_gradient_statistic(model, batches, self.covered_parameters(model), loss, statistic="square")
         self.consolidate(model, fisher, config.accumulate, config.gamma)

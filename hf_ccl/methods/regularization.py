@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..class_prompts import class_prompt_loss
 from ..distributed import all_reduce_sum_, rank, world_size
 from ..losses import positive_mask
 from .base import ContinualMethod, MethodConfig, TaskContext
@@ -422,6 +423,19 @@ def batch_contrastive_loss(model: ContinualDualEncoder, batch: Mapping[str, torc
     logits = model.logits(images, texts)
     mask = positive_mask(batch["text_hash"], batch.get("image_hash")) if "text_hash" in batch else None
     return model.contrastive_loss(logits, mask)
+
+
+def batch_task_loss(model: ContinualDualEncoder, batch: Mapping[str, torch.Tensor], class_prompts: Any = None
+                    ) -> torch.Tensor:
+    """The loss the task trains with, on this process's batch: the class-prompt cross-entropy (ZSCL Eq. 1,
+    `hf_ccl.class_prompts`) for a classification task trained with `classification_loss: cross_entropy` (its
+    `class_prompts`), else `batch_contrastive_loss`."""
+    if class_prompts is None or "class_labels" not in batch:
+        return batch_contrastive_loss(model, batch)
+    labels = batch["class_labels"]
+    images = model.embed_images(**model.image_inputs(batch))
+    return class_prompt_loss(model, images, class_prompts.class_embeddings(model), labels,
+                             class_prompts.candidate_mask(labels))
 
 
 def squared_embedding_norms(model: ContinualDualEncoder, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
