@@ -114,9 +114,10 @@ class ClassPrompts:
         """[C, d] normalised class embeddings: the normalised mean of each class's normalised prompt embeddings,
         with gradients (encoded in one batch by the model's text tower)."""
         device = model.logit_scale.device
-        prompts = model.embed_texts(self.input_ids.to(device), self.attention_mask.to(device))
+        input_ids, attention_mask, prompt_class, _ = self.on(device)
+        prompts = model.embed_texts(input_ids, attention_mask)
         sums = torch.zeros(len(self.class_names), prompts.shape[-1], device=device, dtype=prompts.dtype)
-        sums = sums.index_add(0, self.prompt_class.to(device), prompts)
+        sums = sums.index_add(0, prompt_class, prompts)
         return F.normalize(sums, dim=-1)
 
     def candidate_mask(self, labels: torch.Tensor) -> torch.Tensor | None:
@@ -124,8 +125,22 @@ class ClassPrompts:
         scope; None (every class) in the `"seen"` scope."""
         if self.scope == "seen":
             return None
-        class_task = self.class_task.to(labels.device)
+        class_task = self.on(labels.device)[3]
         return class_task[labels].unsqueeze(1) == class_task.unsqueeze(0)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (the collator's `labels` to DataLoader workers) without the device copies."""
+        state = dict(self.__dict__)
+        state.pop("_on_device", None)
+        return state
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(input_ids, attention_mask, prompt_class, class_task) on `device`, copied there once (not every step)."""
+        cached = self.__dict__.get("_on_device")
+        if cached is None or cached[0] != device:
+            tensors = (self.input_ids, self.attention_mask, self.prompt_class, self.class_task)
+            cached = self._on_device = (device, tuple(t.to(device) for t in tensors))
+        return cached[1]
 
 
 def class_prompt_loss(model: Any, image_embeds: torch.Tensor, class_embeds: torch.Tensor, labels: torch.Tensor,

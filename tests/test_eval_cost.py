@@ -199,6 +199,7 @@ READS = {
     "final_average": {2}, "initial_average": set(), "average_incremental": {0, 1, 2}, "forgetting": {0, 1, 2},
     "backward_transfer": {0, 1, 2}, "forward_transfer": {0, 1}, "tic_id": {0, 1, 2}, "tic_bwt": {1, 2},
     "tic_fwt": {0, 1}, "tic_rel_bwt": {1, 2}, "tic_rel_fwt": {0, 1},
+    "mtil_transfer": {0, 1}, "mtil_average": {0, 1, 2}, "mtil_last": {2},
 }
 
 

@@ -122,6 +122,11 @@ def test_the_modules_reproduce_a_real_runs_results(tmp_path, clip_tokenizer):
     summary = metrics.load("continual_metrics").compute(predictions=results.headline().tolist(),
                                                         initial=results.initial_headline().tolist())
     assert same(summary, results.summary())
+    matrix, initial = results.headline(), results.initial_headline()
+    sizes = results.eval_sizes()
+    for name in MATRIX_MODULES:  # every matrix module on the run's matrix, as the plain functions
+        module = metrics.load(name).compute(predictions=matrix.tolist(), initial=initial.tolist(), sizes=sizes)
+        assert same(module, plain(name, matrix, initial, sizes)), name
 
     task = stream[1]
     images = encode_images(model, processor, list(task.eval["image"]))

@@ -272,6 +272,17 @@ def test_training_step_does_not_synchronize(name, tmp_path):
     assert sum(sites.values()) == expected, f"{name}: {sum(sites.values())} syncs, expected {expected}: {dict(sites)}"
 
 
+@pytest.mark.parametrize("name", ["finetune", "er"])
+def test_cross_entropy_step_does_not_synchronize(name, tmp_path):
+    """The class-prompt cross-entropy (its prompts copied to the device once, its row labels from the collator): a
+    step with replay rows of the earlier task too."""
+    watch = _StepWatch(SyncCounter)
+    run_method(name, tmp_path, TRAINING, callbacks=[watch], classification_loss="cross_entropy")
+    assert len(watch.counted) == 1 and watch.counted[0][0].seen > 100
+    sites = watch.counted[0][0].by_site(EXTERNAL)
+    assert sum(sites.values()) == 0, dict(sites)
+
+
 def test_expected_syncs_name_registered_methods():
     assert set(EXPECTED) <= set(METHOD_CLASSES) and all(reason for _, reason in EXPECTED.values())
 

@@ -85,4 +85,13 @@ class ReferenceBatches:
         tokens = self.collator.tokenizer(texts, padding=self.collator.padding, truncation=True,
                                          max_length=self.collator.max_length, return_tensors="pt")
         batch["input_ids"], batch["attention_mask"] = tokens["input_ids"], tokens["attention_mask"]
-        return {name: value.to(device) if device is not None else value for name, value in batch.items()}
+        return {name: _to_device(value, device) if device is not None else value for name, value in batch.items()}
+
+
+def _to_device(value: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A copy of host tensor `value` on `device` that the host does not wait for: from pinned memory on a GPU (a copy
+    from pageable memory synchronises the stream), into a tensor made on the device (ordered before the kernels that
+    read it)."""
+    device = torch.device(device)
+    source = value.pin_memory() if device.type == "cuda" else value
+    return torch.empty(value.shape, dtype=value.dtype, device=device).copy_(source, non_blocking=True)
