@@ -126,3 +126,19 @@ def test_bad_options_are_refused():
                          ({"reference": " "}, "reference")):
         with pytest.raises(ConfigError, match=f"method_args.zscl.*{key}"):
             build_methods(["zscl"], {"zscl": options})
+
+
+def test_a_task_shorter_than_the_ensemble_interval_is_refused_not_discarded(tmp_path):
+    """4 optimizer steps with ensemble_every=10: the mean would be the task's starting weights (all its training
+    thrown away), so the run stops with the reason instead of deploying it."""
+    from hf_ccl.continual import ContinualArguments, ContinualLearner
+
+    stream = build_stream("digits", max_train_per_task=32)
+    stream.tasks = stream.tasks[:1]
+    model = tiny_model()
+    args = ContinualArguments(output_dir=str(tmp_path), save_checkpoints=False, progress=False, evaluate_initial=False,
+                              training={"num_train_epochs": 1, "per_device_train_batch_size": 8})
+    learner = ContinualLearner(model, stream, build_methods(["zscl"], {"zscl": {**SMALL, "ensemble_every": 10}}),
+                               default_image_processor(model), load_tokenizer(), args)
+    with pytest.raises(ValueError, match="averaged no weights.*ensemble_every"):
+        learner.fit()

@@ -178,8 +178,18 @@ class WeightEnsemble:
 
     @torch.no_grad()
     def apply(self, model: nn.Module) -> None:
-        """Load the mean into `model`, in place (averaging in the final weights first if their step is due)."""
+        """Load the mean into `model`, in place (averaging in the final weights first if their step is due).
+
+        A mean that holds no snapshot (the task trained fewer steps than `every`) is refused: it is the task's
+        starting weights, and deploying it would throw the whole task's training away without a word."""
         self.flush(model)
+        if not self.steps:
+            raise ValueError(
+                f"The weight ensemble averaged no weights of this task: it trained fewer optimizer steps than the "
+                f"averaging interval ({self.every}), so its mean is the task's starting weights and the task's "
+                "training would be discarded. Lower the interval (weight_ensemble: every; zscl: ensemble_every; "
+                "ZSCL averages every 100 of 1000 iterations) or train the task longer."
+            )
         names, targets = self._targets(model)
         for target, average in zip(targets, self._averages(names), strict=True):
             target.copy_(average)
