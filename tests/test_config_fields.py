@@ -95,7 +95,7 @@ RECIPE_ARGS: dict[str, dict[str, Any]] = {
     },
     "moe_adapters-mtil-bundled": {
         "output_dir": "outputs/moe_adapters-mtil-bundled", "classification_loss": "cross_entropy",
-        "training": {"num_train_epochs": 3, "per_device_train_batch_size": 64, "learning_rate": 0.0005},
+        "training": {"num_train_epochs": 3, "per_device_train_batch_size": 64, "learning_rate": 0.01},
     },
     "wise_ft-mtil-bundled": {
         "output_dir": "outputs/wise_ft-mtil-bundled", "classification_loss": "cross_entropy",
