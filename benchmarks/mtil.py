@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import TrainerCallback
+from languages import StepTimes  # benchmarks/ is on the path of `python benchmarks/mtil.py`
 
 from hf_ccl.compute import RUN_COST_HEADER, RUN_COST_NOTE, mean_run_cost, run_cost, run_cost_cells
 from hf_ccl.continual import ContinualArguments, ContinualLearner
@@ -51,21 +51,6 @@ from hf_ccl.testing import tiny_clip
 
 MODEL = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "projection_dim": 64, "image_size": 32}
 METHODS = "finetune,lwf,wise_ft,zscl,moe_adapters,er"
-
-
-class StepTimes(TrainerCallback):
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self._last: float | None = None
-
-    def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001
-        self._last = None
-
-    def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001
-        now = time.perf_counter()
-        if self._last is not None:
-            self.times.append(now - self._last)
-        self._last = now
 
 
 def method_args(name: str, options) -> dict:

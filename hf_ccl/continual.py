@@ -745,8 +745,8 @@ class ContinualLearner:
 
     # ----- evaluation and checkpoints ---------------------------------------------------------------------
     def evaluate(self, trained: int | None = None) -> dict[str, dict[str, float]]:
-        """Metrics of the current model, after training the first `trained` tasks (default: the rows of the results
-        so far, plus the task in progress), on the eval split of every task (computed on the main process): on each
+        """Metrics of the current model, after training the first `trained` tasks (default: as many as the results
+        have rows; the `"seen"` class scope reads it), on the eval split of every task (computed on the main process): on each
         task's fixed subsample with `eval_max_examples`, reusing the embeddings of towers that did not change
         (`eval_cache`); the protocol is recorded in the results matrix (`hf_ccl.evaluation.schedule`)."""
         evaluator = self.__dict__.get("_evaluator")
@@ -756,7 +756,7 @@ class ContinualLearner:
                 cache=self.args.eval_cache, class_scope=self.args.class_scope)
         evaluator.record(self.results, self.stream)  # a resume on other eval rows stops here, before any scoring
         if trained is None:
-            trained = self.state.task_index + 1 if self.results.initial is not None or self.results.rows else 0
+            trained = self.results.num_trained
         metrics: dict[str, dict[str, float]] = {}
         if is_main_process():
             metrics = evaluator.evaluate(self.model, self.stream, self.image_processor, self.tokenizer,

@@ -133,6 +133,7 @@ class ZSCL(ContinualMethod):
         super().__init__(config)
         self.initial: dict[str, torch.Tensor] | None = None  # θ_0, the teacher's weights (method state)
         self.teacher: nn.Module | None = None
+        self._teacher_device: torch.device | None = None
         self.start: list[torch.Tensor] | None = None  # θ_start of the task's trainable parameters (l2 only)
         self.ensemble = WeightEnsemble(self.config.ensemble_every, self.config.ensemble_schedule)
         self._reference: ReferenceData | None = None
@@ -151,7 +152,7 @@ class ZSCL(ContinualMethod):
         teacher.load_state_dict(self.initial)
         for parameter in teacher.parameters():
             parameter.grad = None  # deepcopy keeps the student's stale gradients
-        self.teacher = teacher
+        self.teacher, self._teacher_device = teacher, None
         self.start = ([p.detach().clone() for p in model.parameters() if p.requires_grad]
                       if self.config.l2 > 0 else None)
         if self.config.weight_ensemble:
@@ -186,7 +187,9 @@ class ZSCL(ContinualMethod):
         if self.teacher is None:
             raise RuntimeError("zscl: no teacher (on_task_start was not called)")
         device = model.logit_scale.device
-        self.teacher.to(device)
+        if self._teacher_device != device:  # follows the student once (the Trainer moves it after task start)
+            self.teacher.to(device)
+            self._teacher_device = device
         batch = context.reference_batch(self, device)
         image_inputs = {name: batch[name] for name in model.image_input_names if name in batch}
         with torch.no_grad():
