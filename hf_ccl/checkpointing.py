@@ -20,7 +20,7 @@ import torch
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 from safetensors.torch import load_file
-from transformers import CLIPProcessor, PreTrainedTokenizerBase, TrainingArguments
+from transformers import PreTrainedTokenizerBase, TrainingArguments
 from transformers.trainer_utils import load_sharded_checkpoint
 
 from . import __version__
@@ -31,6 +31,7 @@ from .evaluation.matrix import ResultsMatrix
 from .evaluation.zeroshot import DEFAULT_TEMPLATES
 from .hub import bounded_hub_timeouts, download_task_checkpoint, task_branches
 from .methods.state import load_method_states, save_method_states
+from .processors import save_processor
 from .resume_settings import UNCOMPARED_TRAINING, allowed, describe_diff, settings_diff
 from .tokenization import resize_position_embeddings
 from .trainer import MID_TASK_STATE
@@ -245,10 +246,8 @@ def save_checkpoint(learner: ContinualLearner, index: int) -> Path:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         learner.model.save_pretrained(partial)
-        processor_class = getattr(learner.tokenizer, "_processor_class", None)  # the processor's save sets it
-        CLIPProcessor(image_processor=learner.image_processor, tokenizer=learner.tokenizer).save_pretrained(partial)
-        learner.tokenizer._processor_class = processor_class  # as it is on the other processes
-        learner.image_processor.save_pretrained(partial)  # preprocessor_config.json too, for older transformers
+        # the family's processor, padding as hf_ccl did (plain clients reproduce the evaluation: hf_ccl.processors)
+        save_processor(partial, learner.model, learner.image_processor, learner.tokenizer, learner.max_length)
         save_method_states(learner.methods, partial)
         learner.results.save(partial)
         state = {

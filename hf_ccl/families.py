@@ -18,6 +18,7 @@ small random configs the tests and the default run use.
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 from typing import Any
 
@@ -42,6 +43,26 @@ from transformers import (
 
 from .data.collate import load_image_processor
 from .modeling import ContinualCLIPModel, ContinualDualEncoder, set_eos_token_ids, tiny_clip_config
+
+#: The start of that warning's text for the default SigLIP text config's BOS or EOS id (`_DefaultSiglipIdsFilter`).
+_DEFAULT_SIGLIP_IDS_WARNING = "an integer within the vocabulary (between 0 and 31999), got 4940"
+
+
+class _DefaultSiglipIdsFilter(logging.Filter):
+    """transformers 5.23 builds a default `SiglipTextConfig` (32,000 tokens with CLIP's BOS/EOS ids 49406 and 49407)
+    whenever it prints or saves a SigLIP config, and warns that those class defaults lie outside the vocabulary
+    (huggingface/transformers#47612): twice per process, for every SigLIP checkpoint, about none of them (hf_ccl's
+    configs carry their tokenizer's ids, `align_special_tokens`). This drops exactly that warning."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _DEFAULT_SIGLIP_IDS_WARNING not in record.getMessage()
+
+
+logging.getLogger("transformers.configuration_utils").addFilter(_DefaultSiglipIdsFilter())
+
+#: The text length of every released SigLIP and SigLIP 2 (and the one `pipeline("zero-shot-image-classification")`
+#: pads their texts to): a random SigLIP gets as many positions, so it is trained and evaluated at that length.
+SIGLIP_TEXT_LENGTH = 64
 
 #: Why methods that reach into CLIP's text tower are refused on the other families.
 _PROMPT_REASON = "the learned text prompt is written for CLIP's causal text tower (CLIPTextTransformer internals)"
@@ -97,6 +118,14 @@ class _SigmoidFamily(ContinualDualEncoder):
             self.logit_scale.fill_(math.log(10.0))
             self.logit_bias.fill_(-10.0)
 
+    def align_special_tokens(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        """The text tower reads no special-token id (it pools the last position), but its config records them: they
+        are set to the tokenizer's, so a saved config names ids inside its vocabulary."""
+        text_config = self.config.text_config
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            setattr(text_config, name, getattr(tokenizer, name))
+        super().align_special_tokens(tokenizer)
+
     @property
     def embed_dim(self) -> int:
         return int(self.config.text_config.projection_size)
@@ -107,6 +136,7 @@ class ContinualSiglipModel(_SigmoidFamily, SiglipModel):
 
     family = "siglip"
     plain_architecture = "SiglipModel"
+    processor_class = "SiglipProcessor"
 
     def __init__(self, config: SiglipConfig):
         super().__init__(config)
@@ -121,6 +151,7 @@ class ContinualSiglip2Model(_SigmoidFamily, Siglip2Model):
 
     family = "siglip2"
     plain_architecture = "Siglip2Model"
+    processor_class = "Siglip2Processor"
     image_input_names = ("pixel_values", "pixel_attention_mask", "spatial_shapes")
 
     def __init__(self, config: Siglip2Config):
@@ -155,6 +186,7 @@ class ContinualAltCLIPModel(_FirstTokenTextFamily, AltCLIPModel):
 
     family = "altclip"
     plain_architecture = "AltCLIPModel"
+    processor_class = "AltCLIPProcessor"
     token_embedding_path = "text_model.roberta.embeddings.word_embeddings"
     position_offset = True
 
@@ -168,6 +200,7 @@ class ContinualChineseCLIPModel(_FirstTokenTextFamily, ChineseCLIPModel):
 
     family = "chinese_clip"
     plain_architecture = "ChineseCLIPModel"
+    processor_class = "ChineseCLIPProcessor"
     token_embedding_path = "text_model.embeddings.word_embeddings"
 
     def __init__(self, config: ChineseCLIPConfig):
@@ -209,7 +242,7 @@ def load_continual_model(name_or_path: str, family: str | None = None, **kwargs:
 def tiny_config(family: str = "clip", **sizes: int) -> PretrainedConfig:
     """A small randomly initialisable config of `family` with `tiny_clip_config`'s options and defaults (sizes, and the
     bundled CLIP tokenizer's vocabulary and special-token ids: no other family's tokenizer is available offline;
-    ENVIRONMENT.md).
+    ENVIRONMENT.md). SigLIP and SigLIP 2 default to `SIGLIP_TEXT_LENGTH` text positions.
 
     SigLIP's embedding size is its hidden size (no projection): `projection_dim` must equal `hidden_size` there.
     """
@@ -218,6 +251,8 @@ def tiny_config(family: str = "clip", **sizes: int) -> PretrainedConfig:
     if unknown:
         raise TypeError(f"tiny_config got unknown option(s) {unknown}; valid: {', '.join(defaults)}")
     values = {**defaults, **sizes}
+    if family in ("siglip", "siglip2") and "max_position_embeddings" not in sizes:
+        values["max_position_embeddings"] = SIGLIP_TEXT_LENGTH
     hidden_size, projection_dim = values["hidden_size"], values["projection_dim"]
     family = family_of(family)
     if family == "clip":

@@ -129,6 +129,8 @@ class ContinualDualEncoder:
     family: ClassVar[str] = ""
     #: The plain transformers class a saved checkpoint names in `architectures`.
     plain_architecture: ClassVar[str] = ""
+    #: The transformers processor class a checkpoint saves (`hf_ccl.processors.family_processor`).
+    processor_class: ClassVar[str] = "CLIPProcessor"
     #: "softmax" (CLIP's symmetric InfoNCE) or "sigmoid" (SigLIP's pairwise sigmoid loss with a learned bias).
     loss_kind: ClassVar[str] = "softmax"
     #: exp(logit_scale) is clamped to at most exp(max_logit_scale) after each step (OpenAI CLIP's 100); None: no clamp.

@@ -12,6 +12,7 @@ import torch
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from transformers import AutoImageProcessor, PreTrainedTokenizerBase
+from transformers.utils import cached_file
 
 from .compute import compute_summary
 from .config import RunConfig, save_config
@@ -68,20 +69,62 @@ def config_family(config: RunConfig) -> str | None:
     return found
 
 
-def _has_file(path: str | None, name: str) -> bool:
-    return bool(path) and (Path(path) / name).is_file()
+def checkpoint_file(source: str, name: str) -> str | None:
+    """The path of file `name` of a checkpoint (a folder, or a Hub id: downloaded), or None when it has none."""
+    return cached_file(source, name, _raise_exceptions_for_missing_entries=False)
 
 
 def load_processors(config: RunConfig, model: ContinualDualEncoder) -> tuple[Any, PreTrainedTokenizerBase]:
-    """Image processor (PIL backend) and tokenizer: the config's, else the checkpoint's, else the family's defaults."""
+    """Image processor (PIL backend) and tokenizer: the config's `tokenizer`, else the checkpoint's own (a folder or a
+    Hub id, each loaded as plain transformers loads it), else the family's defaults at the model's sizes, with a
+    logged notice. A checkpoint without a tokenizer is refused unless its vocabulary has the size of the bundled CLIP
+    tokenizer's: its token embedding means nothing under another tokenizer (`pretrained_tokenizer_error`)."""
     pretrained = config.model.get("pretrained")
-    tokenizer_source = config.tokenizer or (pretrained if _has_file(pretrained, "tokenizer_config.json") else None)
-    tokenizer = load_tokenizer(tokenizer_source)
-    if _has_file(pretrained, "preprocessor_config.json"):
+    if config.tokenizer is not None:
+        tokenizer = load_tokenizer(config.tokenizer)
+    elif pretrained and checkpoint_file(pretrained, "tokenizer_config.json"):
+        tokenizer = load_tokenizer(pretrained)
+    else:
+        tokenizer = load_tokenizer()
+        if pretrained:
+            error = pretrained_tokenizer_error(pretrained, model.get_input_embeddings().num_embeddings, len(tokenizer))
+            if error:
+                raise ValueError(error)
+            logger.warning("model.pretrained %s has no tokenizer: using the bundled CLIP tokenizer, whose %d tokens "
+                           "match its vocabulary (set `tokenizer` if it was trained with another)", pretrained,
+                           len(tokenizer))
+    if pretrained and checkpoint_file(pretrained, "preprocessor_config.json"):
         image_processor = AutoImageProcessor.from_pretrained(pretrained, backend="pil")
     else:
         image_processor = default_image_processor(model)
+        if pretrained:
+            logger.warning("model.pretrained %s has no image processor (preprocessor_config.json): using the %s "
+                           "family's default at %d pixels (%s)", pretrained, model.family, model.image_size,
+                           type(image_processor).__name__)
     return image_processor, tokenizer
+
+
+def pretrained_tokenizer_error(pretrained: str, vocab_size: int, default_size: int) -> str | None:
+    """Why a checkpoint without a tokenizer cannot fall back to the bundled CLIP tokenizer (None when it can: the
+    vocabularies have the same size)."""
+    if vocab_size == default_size:
+        return None
+    return (f"model.pretrained {pretrained!r} has no tokenizer (tokenizer_config.json) and its vocabulary "
+            f"({vocab_size} tokens) is not the bundled CLIP tokenizer's ({default_size}): set `tokenizer` to the "
+            "tokenizer it was trained with")
+
+
+def check_pretrained_tokenizer(config: RunConfig) -> None:
+    """A local checkpoint without a tokenizer (and no `tokenizer` set) that the bundled one does not fit is refused
+    before anything is built (a Hub checkpoint is checked when it is loaded)."""
+    pretrained = config.model.get("pretrained")
+    if not pretrained or config.tokenizer is not None or not Path(pretrained, "config.json").is_file() \
+            or Path(pretrained, "tokenizer_config.json").is_file():
+        return
+    text_config = json.loads(Path(pretrained, "config.json").read_text(encoding="utf-8")).get("text_config") or {}
+    error = pretrained_tokenizer_error(pretrained, int(text_config.get("vocab_size", -1)), len(load_tokenizer()))
+    if error:
+        raise ConfigError(error, "tokenizer")
 
 
 def build_run_stream(config: RunConfig) -> TaskStream:
@@ -112,6 +155,7 @@ def check_config(config: RunConfig, check_paths: bool = True) -> CheckedRun:
     check_methods(methods, args.samples_per_task)
     if check_paths:
         check_local_paths(config)
+        check_pretrained_tokenizer(config)
     family = config_family(config)
     if family is not None:
         try:

@@ -221,11 +221,11 @@ def test_the_families_image_processors():
 
 
 # ----- a run through the CLI, and the pipeline on every task revision -----------------------------------------------
-@pytest.mark.parametrize("family", [family if family == "siglip" else pytest.param(family, marks=pytest.mark.slow)
-                                    for family in FAMILIES if family != "clip"])
+@pytest.mark.slow  # the default suite runs every family through the CLI and the pipeline in tests/test_plain_clients.py
+@pytest.mark.parametrize("family", [family for family in FAMILIES if family != "clip"])
 def test_the_default_recipe_runs_every_family_and_the_pipeline_reads_every_task(tmp_path, capsys, family):
     """`hf-ccl train --config digits model.family=<family>`: trains, evaluates and saves each task; every task
-    folder works with `pipeline("zero-shot-image-classification")` (SigLIP's pads to max_length itself)."""
+    folder works with `pipeline("zero-shot-image-classification")`."""
     from PIL import Image
     from transformers import pipeline
 
@@ -261,15 +261,38 @@ def test_lora_targets_the_attention_and_mlp_layers_of_every_family(family):
     assert adapted == linears and len(adapted) == 12  # 6 per layer, 1 layer per tower
 
 
-def test_a_run_starts_from_a_saved_checkpoint_of_another_family(saved, tmp_path):
-    """`model.pretrained: <a SigLIP folder>` loads it into its family's class, checked against `model.family`."""
+def test_a_run_starts_from_a_saved_checkpoint_of_another_family(saved, tmp_path, capsys):
+    """`model.pretrained: <a SigLIP folder>` loads it into its family's class, checked against `model.family`. The
+    folder has no tokenizer and a grown vocabulary: the bundled CLIP tokenizer does not fit it, so the run is refused
+    before anything is built until `tokenizer` names one."""
     from hf_ccl.cli import main
+    from hf_ccl.paths import default_tokenizer_path
 
     overrides = [f"output_dir={tmp_path / 'run'}", "progress=false", "training.max_steps=1",
                  "training.per_device_train_batch_size=8", "stream_args.max_train_per_task=16",
-                 "stream_args.max_eval_per_task=8", f"model.pretrained={saved / 'siglip'}", "model.config={}",
-                 "tokenizer=null"]
+                 "stream_args.max_eval_per_task=8", f"model.pretrained={saved / 'siglip'}", "model.config={}"]
+    assert main(["train", "--config", "digits", *overrides, "tokenizer=null"]) == 2
+    assert "has no tokenizer (tokenizer_config.json) and its vocabulary (49411 tokens) is not the bundled CLIP " \
+           "tokenizer's (49408): set `tokenizer`" in capsys.readouterr().err
+    overrides.append(f"tokenizer={default_tokenizer_path()}")
     assert main(["train", "--config", "digits", *overrides, "model.family=clip"]) == 2  # refused: it is a SigLIP
+    assert not (tmp_path / "run").exists()
     assert main(["train", "--config", "digits", *overrides]) == 0
     config = json.loads((tmp_path / "run" / "task-4" / "config.json").read_text())
     assert config["architectures"] == ["SiglipModel"] and config["model_type"] == "siglip"
+
+
+def test_a_checkpoint_without_tokenizer_or_image_processor_gets_the_defaults_with_a_notice(tmp_path, caplog, tokenizer):
+    """A checkpoint whose vocabulary is the bundled CLIP tokenizer's size falls back to it, and to the family's image
+    processor at its image size, each with a logged warning."""
+    from hf_ccl.run import load_processors
+
+    model = tiny_model("siglip")
+    model.save_pretrained(tmp_path)
+    config = RunConfig(model={"pretrained": str(tmp_path)}, output_dir=str(tmp_path / "run"))
+    with caplog.at_level("WARNING", logger="hf_ccl.run"):
+        image_processor, used = load_processors(config, load_continual_model(str(tmp_path)))
+    assert len(used) == len(tokenizer) == 49408 and type(used) is type(tokenizer)
+    assert type(image_processor).__name__ == "SiglipImageProcessorPil" and image_processor.size["height"] == 32
+    assert "has no tokenizer: using the bundled CLIP tokenizer" in caplog.text
+    assert "has no image processor (preprocessor_config.json): using the siglip family's default" in caplog.text

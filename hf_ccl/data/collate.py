@@ -33,10 +33,14 @@ def stable_hash(text: str) -> int:
     return int.from_bytes(digest, "little", signed=True)
 
 
-def load_tokenizer(name_or_path: str | Path | None = None) -> Any:
-    """Any HF tokenizer by name or path (`AutoTokenizer`); default: the bundled CLIP BPE tokenizer. A local folder is
-    loaded as the class its `tokenizer_config.json` names: `AutoTokenizer` would otherwise follow the model type of a
-    `config.json` beside it (a SigLIP 2 checkpoint trained with another family's tokenizer)."""
+def load_tokenizer(name_or_path: str | Path | None = None, **hub_kwargs: Any) -> Any:
+    """Any HF tokenizer (a folder, or a Hub id with `hub_kwargs` such as `revision`), loaded as plain transformers
+    loads it (`AutoTokenizer`: a checkpoint is tokenized by hf_ccl as by any other client); default: the bundled CLIP
+    BPE tokenizer. Its `model_input_names` include `attention_mask` (batches always carry one; each family decides
+    whether its text tower reads it).
+
+    One exception: a SigLIP 2 checkpoint written by hf_ccl before its tokenizer_config.json steered transformers
+    (`hf_ccl.processors`) is loaded as the class that file names, the one it was trained with."""
     import transformers
 
     if name_or_path is None:
@@ -46,13 +50,28 @@ def load_tokenizer(name_or_path: str | Path | None = None) -> Any:
                 f"The bundled CLIP tokenizer is not at {name_or_path}: set HF_CCL_SHARED to the shared/ folder, or "
                 "pass a tokenizer name or path (config key `tokenizer`)"
             )
-    config = Path(name_or_path) / "tokenizer_config.json"
-    if config.is_file():
-        saved_class = getattr(transformers, str(json.loads(config.read_text(encoding="utf-8")).get("tokenizer_class")),
-                              None)
-        if isinstance(saved_class, type) and issubclass(saved_class, transformers.PreTrainedTokenizerBase):
-            return saved_class.from_pretrained(str(name_or_path))
-    return transformers.AutoTokenizer.from_pretrained(str(name_or_path))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(name_or_path), **hub_kwargs)
+    trained_class = _hf_ccl_trained_class(Path(name_or_path))
+    if trained_class is not None and not isinstance(tokenizer, trained_class):
+        tokenizer = trained_class.from_pretrained(str(name_or_path))
+    if "attention_mask" not in tokenizer.model_input_names:
+        tokenizer.model_input_names = [*tokenizer.model_input_names, "attention_mask"]
+    return tokenizer
+
+
+def _hf_ccl_trained_class(folder: Path) -> type | None:
+    """The tokenizer class a local hf_ccl task checkpoint (one with continual_state.json) names without an `auto_map`,
+    else None."""
+    import transformers
+
+    config = folder / "tokenizer_config.json"
+    if not (folder / "continual_state.json").is_file() or not config.is_file():
+        return None
+    saved = json.loads(config.read_text(encoding="utf-8"))
+    cls = getattr(transformers, str(saved.get("tokenizer_class")), None)
+    if "auto_map" in saved or not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase)):
+        return None
+    return cls
 
 
 def load_image_processor(image_size: int, **kwargs: Any) -> Any:
