@@ -28,6 +28,7 @@ from . import __version__
 from .callbacks import StreamControl, StreamState, TaskCallback
 from .compute import TaskCompute, cost_table
 from .evaluation.matrix import DERIVED_DESCRIPTIONS, INITIAL_LABEL, RESULTS_JSON, ResultsMatrix
+from .processors import AUTO_MAP_NOTE
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,8 @@ TEMPLATE_NAME = "continual_clip.md"
 MISSING = "–"
 REPO_PLACEHOLDER = "<namespace>/<repo-name>"
 PIPELINE_TAG = "zero-shot-image-classification"
+#: The length `pipeline("zero-shot-image-classification")` pads SigLIP texts to (fixed in transformers).
+PIPELINE_SIGLIP_LENGTH = 64
 
 #: Terms and citations of the bundled datasets (wording of shared/datasets/SOURCES.md), by folder name.
 BUNDLED_DATASET_TERMS = {
@@ -324,6 +327,38 @@ def _preprocessing(folder: Path) -> str:
     return "; ".join(part for part in parts if part)
 
 
+def _text_convention(folder: Path) -> list[str]:
+    """How the checkpoint's texts were tokenized and what the processor and the pipeline do with it, from the
+    convention `hf_ccl.processors.save_processor` writes into tokenizer_config.json (empty when it is not there)."""
+    path = folder / "tokenizer_config.json"
+    tokenizer = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    padding, length = tokenizer.get("padding"), tokenizer.get("max_length")
+    if padding is None or length is None:
+        return []
+    padded = f'padded to {length} tokens (`padding="max_length"`)' if padding == "max_length" else \
+        "padded to the longest text of a batch"
+    mask = "with the attention mask" if "attention_mask" in tokenizer.get("model_input_names", ["attention_mask"]) \
+        else "with no attention mask (the text tower pools the last position and was trained without one)"
+    lines = [f"Texts: the saved `{_cell(tokenizer.get('tokenizer_class'))}`, {padded}, truncated at {length} tokens, "
+             f"{mask}. The saved processor does the same by default (`processor(text=..., return_tensors=\"pt\")`: "
+             "the defaults are in tokenizer_config.json).",
+             "The pipeline embeds each label with one prompt template (`hypothesis_template`, default "
+             '`"This is a photo of {}."`): with a task\'s template it gives that task\'s accuracy where the task is '
+             "scored with one template (see *Evaluation protocol*); where a task averages several templates, the "
+             "snippet below reproduces it."]
+    config_path = folder / "config.json"
+    model_type = json.loads(config_path.read_text(encoding="utf-8")).get("model_type", "") if config_path.is_file() \
+        else ""
+    if "siglip" in model_type:
+        lines.append(f"The pipeline pads SigLIP texts to {PIPELINE_SIGLIP_LENGTH} tokens"
+                     + (", as this checkpoint was evaluated." if length == PIPELINE_SIGLIP_LENGTH else
+                        f", but this checkpoint was trained and evaluated at {length}: the pipeline's scores differ "
+                        "from results.json's; use the processor."))
+    if "auto_map" in tokenizer:
+        lines.append(f"SigLIP 2: {AUTO_MAP_NOTE}.")
+    return lines
+
+
 def _samples_seen(folder: Path) -> int | None:
     path = folder / "compute.json"
     if not path.is_file():
@@ -454,6 +489,7 @@ def build_model_card(
         "license": state.get("card_license"),
         "protocol": _protocol_rows(state.get("evaluation") or []),
         "preprocessing": _preprocessing(folder),
+        "convention": _text_convention(folder),
         "samples_seen_text": _samples_seen_text(_samples_seen(folder)),
         "cost_table": cost_table([TaskCompute(**record) for record in matrix.cost]),
         "resume_changes": [(change.get("after_task"), _cell(change.get("key")), _value(change.get("saved")),

@@ -278,3 +278,36 @@ def test_the_cards_inference_example_runs_on_the_checkpoint(run_dir, card_path, 
     exec(block.replace(REPO_ID, str(run_dir / "task-1")), {})  # noqa: S102 (the card's own example)
     printed = capsys.readouterr().out
     assert "'label': 'a photo of a dog'" in printed and "'score':" in printed
+
+
+def test_the_card_states_the_text_convention_and_its_snippet_runs(run_dir, card_path, capsys):
+    """A CLIP checkpoint: the tokenizer, its padding and mask as the card states them (from tokenizer_config.json),
+    and the card's zero-shot snippet run on the checkpoint folder as a user would."""
+    text = ModelCard.load(card_path).text
+    assert ("- Texts: the saved `CLIPTokenizer`, padded to the longest text of a batch, truncated at 77 tokens, with "
+            "the attention mask.") in text
+    assert "one prompt template (`hypothesis_template`" in text and "pads SigLIP texts" not in text
+    block = text.split("Zero-shot accuracy as results.json scores it:", 1)[1].split("```python\n", 1)[1]
+    exec(block.split("```", 1)[0].replace(REPO_ID, str(run_dir / "task-1")), {})  # noqa: S102 (the card's example)
+    assert capsys.readouterr().out.strip() in ("['dog']", "['cat']")
+
+
+@pytest.mark.parametrize(("model_type", "length", "expected"), [
+    ("siglip", 64, "The pipeline pads SigLIP texts to 64 tokens, as this checkpoint was evaluated."),
+    ("siglip", 32, "but this checkpoint was trained and evaluated at 32: the pipeline's scores differ"),
+    ("siglip2", 64, "SigLIP 2: its tokenizer_config.json names the tokenizer class in `auto_map`"),
+])
+def test_the_card_states_siglip_s_convention_and_where_the_pipeline_differs(tmp_path, model_type, length, expected):
+    matrix = ResultsMatrix(["only"], "accuracy")
+    matrix.add_row("only", {"only": {"accuracy": 50.0}})
+    folder = _hand_built_checkpoint(tmp_path, matrix, task_sources=["pacs"])
+    (folder / "config.json").write_text(json.dumps({"model_type": model_type, "architectures": ["SiglipModel"]}))
+    tokenizer = {"tokenizer_class": "CLIPTokenizer", "padding": "max_length", "max_length": length,
+                 "truncation": True, "model_input_names": ["input_ids"]}
+    if model_type == "siglip2":
+        tokenizer["auto_map"] = {"AutoTokenizer": ["transformers.models.clip.tokenization_clip.CLIPTokenizer", None]}
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer))
+    text = str(build_model_card(folder))
+    assert (f'- Texts: the saved `CLIPTokenizer`, padded to {length} tokens (`padding="max_length"`), truncated at '
+            f"{length} tokens, with no attention mask") in text
+    assert expected in text
