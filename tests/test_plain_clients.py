@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from transformers import AutoTokenizer
 
@@ -33,6 +34,7 @@ from hf_ccl.data.templates import format_template
 from hf_ccl.families import FAMILIES, default_image_processor, family_class, tiny_config
 from hf_ccl.paths import default_tokenizer_path
 from hf_ccl.processors import save_processor
+from hf_ccl.tokenization import rebuild_tokenizer
 
 NAMESPACE = "hf-ccl-test"
 STREAM_ARGS = {"max_train_per_task": 16, "max_eval_per_task": 8}
@@ -59,21 +61,31 @@ def hub(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def small_tokenizer(tmp_path_factory) -> Path:
-    """A 300-token CLIP BPE trained offline on the stream's prompts (no tokenizer of the other families is at hand)."""
-    names = ["dog", "elephant", "giraffe", "guitar", "horse", "house", "person"]
-    corpus = [f"a {kind} of a {name}." for kind in ("photo", "sketch", "drawing") for name in names] * 4
-    tokenizer = AutoTokenizer.from_pretrained(str(default_tokenizer_path()))
+    """The bundled CLIP BPE cut to its first 300 merges (814 tokens; built, not trained, so ids are the same in every
+    session): a checkpoint's own tokenizer, unlike the 49,408-token default."""
+    full = AutoTokenizer.from_pretrained(str(default_tokenizer_path()))
+    data = json.loads(full.backend_tokenizer.to_str())
+    size = 512 + 300  # the byte alphabet, with and without the end-of-word mark, then the merges' tokens
+    data["model"]["merges"] = data["model"]["merges"][:300]
+    data["model"]["vocab"] = {token: i for token, i in data["model"]["vocab"].items() if i < size}
+    special = {full.bos_token: size, full.eos_token: size + 1}
+    data["model"]["vocab"].update(special)
+    for token in data["added_tokens"]:
+        token["id"] = special[token["content"]]
+    processor = data["post_processor"]
+    processor["cls"], processor["sep"] = [full.bos_token, size], [full.eos_token, size + 1]
     folder = tmp_path_factory.mktemp("tokenizer")
-    tokenizer.train_new_from_iterator(corpus, vocab_size=300).save_pretrained(folder)
+    rebuild_tokenizer(full, data).save_pretrained(folder)
     return folder
 
 
 def _third_party_checkpoint(family: str, folder: Path, tokenizer_dir: Path) -> None:
-    """A tiny checkpoint of `family` with its own tokenizer (300 tokens, not the bundled 49,408) and image processor
+    """A tiny checkpoint of `family` with its own tokenizer (814 tokens, not the bundled 49,408) and image processor
     (another mean and std than the family's), saved as hf_ccl saves one (SigLIP 2's tokenizer steered)."""
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     sizes = {**SIZES, "vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
              "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    torch.manual_seed(0)
     model = family_class(family)(tiny_config(family, **sizes))
     model.align_special_tokens(tokenizer)
     image_processor = default_image_processor(model)
@@ -228,7 +240,7 @@ def test_the_saved_tokenizer_carries_each_family_s_convention(runs):
 
 
 def test_a_run_from_a_hub_checkpoint_uses_its_own_tokenizer_and_image_processor(runs, small_tokenizer):
-    """`model.pretrained=<Hub id>`, no `tokenizer`: every family trains and saves with the checkpoint's tokenizer (300
+    """`model.pretrained=<Hub id>`, no `tokenizer`: every family trains and saves with the checkpoint's tokenizer (814
     tokens; the bundled default has 49,408) and image processor (its mean and std, not the family's)."""
     expected = AutoTokenizer.from_pretrained(str(small_tokenizer))
     for family, output_dir in runs.items():
