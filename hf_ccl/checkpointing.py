@@ -24,7 +24,14 @@ from transformers import CLIPProcessor, PreTrainedTokenizerBase, TrainingArgumen
 from transformers.trainer_utils import load_sharded_checkpoint
 
 from . import __version__
-from .checkpoint_files import CheckpointError, checkpoint_is_complete, verify_checkpoint, write_manifest
+from .checkpoint_files import (
+    MANIFEST,
+    CheckpointError,
+    checkpoint_is_complete,
+    manifest_view,
+    verify_checkpoint,
+    write_manifest,
+)
 from .data.collate import load_tokenizer
 from .distributed import barrier, broadcast_object, is_main_process
 from .evaluation.matrix import ResultsMatrix
@@ -98,21 +105,27 @@ def restore(learner: ContinualLearner, folder: str | Path) -> int:
     naming the file, never a silent fresh start."""
     folder = Path(folder)
     try:
-        verify_checkpoint(folder)
+        extra = verify_checkpoint(folder)
     except CheckpointError as error:
         raise CheckpointError(f"{error}. Remove {folder} to resume from the task before it, or restore the "
                               "file") from error
+    with manifest_view(folder, extra) as view:  # only the files the checkpoint wrote are read
+        return _restore_verified(learner, view, folder)
+
+
+def _restore_verified(learner: ContinualLearner, folder: Path, source: Path) -> int:
+    """`restore` of a verified checkpoint read from `folder` (`source` itself, or a view of its listed files)."""
     state = _read_json(folder / CHECKPOINT_STATE)
     index = int(state["task_index"])
     names = learner.stream.task_names
     if state.get("task_names") != names:
-        raise ValueError(f"{folder / CHECKPOINT_STATE} was written for tasks {state.get('task_names')}, but this "
+        raise ValueError(f"{source / CHECKPOINT_STATE} was written for tasks {state.get('task_names')}, but this "
                          f"stream has {names}: resume with the same stream")
     methods = [method.name for method in learner.methods]
     if state.get("methods") != methods:
-        raise ValueError(f"{folder / CHECKPOINT_STATE} was written with methods {state.get('methods')}, but this "
+        raise ValueError(f"{source / CHECKPOINT_STATE} was written with methods {state.get('methods')}, but this "
                          f"run has {methods}: resume with the same methods")
-    check_settings(learner, state, folder / CHECKPOINT_STATE, index)
+    check_settings(learner, state, source / CHECKPOINT_STATE, index)
     tokenizer_file = folder / "tokenizer_config.json"
     if tokenizer_file.exists():
         saved = load_tokenizer(folder)
@@ -124,14 +137,14 @@ def restore(learner: ContinualLearner, folder: str | Path) -> int:
     try:
         learner.results = ResultsMatrix.load(folder)
     except (OSError, ValueError, KeyError) as error:
-        raise ValueError(f"Cannot read the results matrix in {folder}: {error}") from error
+        raise ValueError(f"Cannot read the results matrix in {source}: {error}") from error
     learner.event("on_restore", folder=folder)
     # (checkpoints written before `global_step` was stored: the compute records hold every task's steps)
     learner.global_step = int(state.get("global_step", sum(record.optimizer_steps for record in learner.compute)))
     trained = [row.label for row in learner.results.rows if row.label != "initial"]
     if len(trained) != index + 1:
-        raise ValueError(f"{folder} holds {len(trained)} trained rows in results.json, expected {index + 1}")
-    logger.info("Resumed after task %d (%s) from %s", index, state.get("task_name"), folder)
+        raise ValueError(f"{source} holds {len(trained)} trained rows in results.json, expected {index + 1}")
+    logger.info("Resumed after task %d (%s) from %s", index, state.get("task_name"), source)
     return index
 
 
@@ -189,7 +202,7 @@ def download_training_checkpoint(learner: ContinualLearner, training_args: Train
     if not (folder / MID_TASK_STATE).is_dir():
         return None
     try:  # the manifest the Trainer pushed with it (`ContinualTrainer._push_from_checkpoint`)
-        verify_checkpoint(folder, legacy_required=("trainer_state.json", f"{MID_TASK_STATE}/task.json"))
+        verify_checkpoint(folder)
     except CheckpointError as error:
         logger.warning("The Trainer checkpoint on the Hub is damaged (%s): task %d starts from its beginning",
                        error, task_index)
@@ -280,18 +293,25 @@ def save_checkpoint(learner: ContinualLearner, index: int) -> Path:
     return final
 
 # ----- files ----------------------------------------------------------------------------------------------------
-def latest_task_checkpoint(run_dir: str | Path) -> Path | None:
-    """The complete `task-<k>/` folder (one with `continual_state.json`) with the highest k in `run_dir`, or None.
-    `.partial` folders (a save that was interrupted) are ignored."""
+def latest_task_checkpoint(run_dir: str | Path, warn: bool = True) -> Path | None:
+    """The complete `task-<k>/` folder (with `continual_state.json` and its manifest, which is written last) with
+    the highest k in `run_dir`, or None. `.partial` folders (a save that was interrupted) are ignored; a newer
+    folder without its manifest was cut short or copied in part and is skipped (with a warning when `warn`)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return None
     found = []
     for child in run_dir.iterdir():
         name = child.name
-        if child.is_dir() and name.startswith("task-") and name[5:].isdigit() and (child / CHECKPOINT_STATE).exists():
+        if child.is_dir() and name.startswith("task-") and name[5:].isdigit():
             found.append((int(name[5:]), child))
-    return max(found)[1] if found else None
+    for _, child in sorted(found, reverse=True):
+        if (child / CHECKPOINT_STATE).is_file() and (child / MANIFEST).is_file():
+            return child
+        if warn:
+            logger.warning("Task checkpoint %s is incomplete (no %s: cut short or copied in part): not used",
+                           child, MANIFEST if (child / CHECKPOINT_STATE).is_file() else CHECKPOINT_STATE)
+    return None
 
 
 

@@ -34,7 +34,7 @@ from .config import (
     resolve_config,
     where_given,
 )
-from .validation import ConfigError, redact_secrets
+from .validation import ConfigError, check_no_tokens, redact_secrets
 
 if TYPE_CHECKING:
     from .config import RunConfig
@@ -109,6 +109,11 @@ def main(argv: list[str] | None = None) -> int:
 def _push_command(run_dir: str, repo: str, retries: int, timeout: float, debug: bool) -> int:
     from .hub import push_run
 
+    try:
+        check_no_tokens(repo, "--repo")
+    except ConfigError as error:
+        _report_error(error, debug)
+        return EXIT_REFUSED
     try:
         report = push_run(run_dir, repo, retries=retries, timeout=timeout)
     except USER_ERRORS as error:
@@ -230,7 +235,7 @@ def stop_signals_interrupt() -> Iterator[None]:
 def _report_interrupt(
     error: KeyboardInterrupt, config: RunConfig | None, config_path: str | None, overrides: list[str], debug: bool
 ) -> None:
-    from .continual import latest_task_checkpoint
+    from .checkpointing import latest_task_checkpoint, newest_complete_trainer_checkpoint
     from .distributed import is_main_process
 
     if debug:
@@ -242,26 +247,29 @@ def _report_interrupt(
     if config is None:
         _print(f"hf-ccl: interrupted by {how} before the run started: nothing was written")
         return
-    last = latest_task_checkpoint(config.output_dir)
+    last = latest_task_checkpoint(config.output_dir, warn=False)
+    if last is not None:
+        where = f"The last complete task checkpoint is {last}"
+    else:  # the first task's own Trainer checkpoints (`save_strategy`) resume it too
+        last = newest_complete_trainer_checkpoint(Path(config.output_dir) / "trainer" / "task-0")
+        where = f"No task had completed; task 0 resumes from its Trainer checkpoint {last}"
     if last is None:
-        _print(f"hf-ccl: interrupted by {how}: no task had completed in {config.output_dir}, nothing to resume")
+        _print(f"hf-ccl: interrupted by {how}: no task had completed in {config.output_dir} and task 0 had no "
+               "Trainer checkpoint (training.save_strategy), nothing to resume")
         return
     kept = [o for o in overrides if not o.split("=", 1)[0].strip().lstrip("-") == "resume_from_checkpoint"]
     command = ["hf-ccl", "train", *(["--config", config_path] if config_path else []), *kept,
                "resume_from_checkpoint=true"]
-    _print(f"hf-ccl: interrupted by {how}. The last complete task checkpoint is {last}; resume with:\n"
-           f"  {shlex.join(command)}")
+    _print(f"hf-ccl: interrupted by {how}. {where}; resume with:\n  {shlex.join(command)}")
 
 
 def disk_full(error: BaseException, output_dir: str) -> str | None:
     """What to say when `error` came from a full disk under `output_dir` (an ENOSPC anywhere in its chain, or less
     than `LOW_DISK_BYTES` left there after the failure); None otherwise."""
-    chain, seen = error, set()
-    enospc = False
-    while chain is not None and id(chain) not in seen:
-        seen.add(id(chain))
-        enospc = enospc or (isinstance(chain, OSError) and chain.errno == errno.ENOSPC)
-        chain = chain.__cause__ or chain.__context__
+    errors = _os_errors(error)
+    if any(code in (errno.EROFS, errno.EACCES, errno.EPERM) for code in errors) and errno.ENOSPC not in errors:
+        return None  # a read-only disk or a permission: its own message says so (statvfs reports no free space)
+    enospc = errno.ENOSPC in errors
     folder = Path(output_dir).resolve()
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
@@ -270,6 +278,19 @@ def disk_full(error: BaseException, output_dir: str) -> str | None:
         return None
     return (f"no space left on the disk of {output_dir} ({free / 2**20:.1f} MiB free): make room, then resume "
             "with resume_from_checkpoint=true (complete task checkpoints are kept)")
+
+
+def _os_errors(error: BaseException) -> set[int]:
+    """The errno of every OSError in `error`'s chain of causes and contexts."""
+    chain: BaseException | None = error
+    seen: set[int] = set()
+    codes: set[int] = set()
+    while chain is not None and id(chain) not in seen:
+        seen.add(id(chain))
+        if isinstance(chain, OSError) and chain.errno is not None:
+            codes.add(chain.errno)
+        chain = chain.__cause__ or chain.__context__
+    return codes
 
 
 def _report_error(error: BaseException, debug: bool, cause: BaseException | None = None) -> None:

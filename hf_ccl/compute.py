@@ -49,6 +49,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from .accumulation import REENCODE_PASSES
 from .callbacks import StreamControl, StreamState, TaskCallback
 from .distributed import world_size
+from .files import write_text_atomic
 
 COMPUTE_FILE = "compute.json"
 BACKWARD_FACTOR = 3.0  # forward + backward ≈ 3 forward passes
@@ -198,7 +199,7 @@ def class_prompt_step_macs(model: torch.nn.Module, prompts: Any) -> float:
 def save_compute(records: list[TaskCompute], directory: str | Path) -> None:
     tasks = [asdict(record) for record in records]
     payload = {"tasks": tasks, **cost_totals(tasks)}
-    (Path(directory) / COMPUTE_FILE).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+    write_text_atomic(Path(directory) / COMPUTE_FILE, json.dumps(payload, indent=2) + "\n")
 
 
 def cost_totals(records: list[dict[str, Any]]) -> dict[str, Any]:

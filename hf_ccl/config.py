@@ -16,11 +16,13 @@ import yaml
 
 from .continual import ContinualArguments
 from .families import FAMILIES, family_of
+from .files import write_text_atomic
 from .modeling import tiny_clip_config
 from .validation import (
     ConfigError,
     check_dataclass,
     check_mapping,
+    check_no_tokens,
     check_range,
     check_value,
     describe,
@@ -28,22 +30,10 @@ from .validation import (
     type_hints,
 )
 
-
-def _default_training() -> dict[str, Any]:
-    return {
-        "num_train_epochs": 8,
-        "per_device_train_batch_size": 64,
-        "learning_rate": 1e-3,
-        "weight_decay": 0.1,
-        "warmup_steps": 0.1,
-        "lr_scheduler_type": "cosine",
-        "logging_steps": 10,
-    }
-
-
-#: The config's own defaults of loop fields, where the loop has none or a run needs another: a run folder, and a
-#: training section that trains the tiny default CLIP. (A YAML file's `training` section extends these defaults.)
-CONFIG_DEFAULTS: dict[str, Callable[[], Any]] = {"output_dir": lambda: "outputs/run", "training": _default_training}
+#: The config's own defaults of loop fields, where a run needs another than the loop's: a run folder. (The
+#: training section's defaults are the loop's, `hf_ccl.training_options.default_training`, which a given section
+#: extends, from YAML, the command line and Python alike.)
+CONFIG_DEFAULTS: dict[str, Callable[[], Any]] = {"output_dir": lambda: "outputs/run"}
 
 
 def with_loop_fields(cls: type) -> type:
@@ -110,6 +100,7 @@ class RunConfig:
         (ranges, consistency, the `training` section); converted values are stored back. Returns the loop's
         arguments so checked. Streams, methods and paths are checked by `hf_ccl.run.check_config`, before anything
         is built."""
+        check_no_tokens(self)  # before any value is echoed in an error or written
         if isinstance(self.methods, str):
             self.methods = [self.methods]
         if isinstance(self.method_args, dict):  # `name:` with no options reads as null in YAML
@@ -308,8 +299,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         source = resolve_config(path)
         values = read_yaml(source)
     known_keys(values, config_fields(), "config key(s)", str(source or ""), listing="valid keys")
-    if "training" in values and isinstance(values["training"] or {}, dict):  # it extends the defaults
-        values["training"] = {**CONFIG_DEFAULTS["training"](), **(values["training"] or {})}
+    if "training" in values and values["training"] is None:  # `training:` with nothing under it
+        values["training"] = {}
     values = apply_overrides(values, overrides or [])
     missing = [name for name in required_fields() if name not in values]
     if missing:
@@ -331,4 +322,4 @@ def where_given(key: str | None, source: Path | None, overrides: list[str]) -> s
 
 
 def save_config(config: RunConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False), encoding="utf-8")
+    write_text_atomic(path, yaml.safe_dump(config.to_dict(), sort_keys=False))

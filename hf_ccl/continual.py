@@ -17,6 +17,7 @@ the interrupted task itself resumes from its last one. A finished task is never 
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import warnings
 from collections.abc import Mapping
@@ -52,7 +53,7 @@ from .data.reference import ReferenceBatches
 from .data.streaming import column_names, is_empty, is_streaming, whole_batches
 from .data.task import TaskStream
 from .data.workers import dataloader_defaults, training_device_type
-from .distributed import barrier, broadcast_object, is_main_process
+from .distributed import barrier, broadcast_object, is_main_process, world_size
 from .evaluation.matrix import ResultsMatrix
 from .evaluation.schedule import StreamEvaluator, evaluated_after
 from .evaluation.spatial_disorder import SpatialDisorderCallback
@@ -70,8 +71,8 @@ from .resume_settings import run_settings
 from .run_folder import RunFolderLock, claim_run_folder
 from .stream_logging import StreamLogger, reporting_callbacks
 from .trainer import ContinualTrainer
-from .training_options import check_training_args
-from .validation import ConfigError, check_choice, check_dataclass, check_range
+from .training_options import check_training_args, default_training, with_training_defaults
+from .validation import ConfigError, check_choice, check_dataclass, check_no_tokens, check_range
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,10 @@ class ContinualArguments:
 
     output_dir: str = field(metadata={"help": "Run folder; each task's checkpoint goes to <output_dir>/task-<k>/."})
     training: dict[str, Any] = field(
-        default_factory=dict, metadata={"help": "TrainingArguments fields for every task (epochs, batch size, lr, ...)."}
+        default_factory=default_training,
+        metadata={"help": "TrainingArguments fields for every task (epochs, batch size, lr, ...); what is given extends "
+                  "hf_ccl's defaults (8 epochs, batch 64, lr 1e-3, weight decay 0.1, warmup 0.1 of the steps, cosine "
+                  "schedule), the same from Python, YAML and the command line."},
     )
     first_task_epochs: float | None = field(
         default=None, metadata={"help": "Epochs for the first task (e.g. pretraining a random CLIP); None: as others."}
@@ -207,10 +211,11 @@ class ContinualArguments:
 
     def __post_init__(self) -> None:
         """Every value checked (type, range, consistency) before anything is built, trained or written."""
+        check_no_tokens(self)
         if isinstance(self.resume_from_checkpoint, str) and self.resume_from_checkpoint.lower() in ("true", "false"):
             self.resume_from_checkpoint = self.resume_from_checkpoint.lower() == "true"
         check_dataclass(self)
-        self.training = validate_training_args(self.training)
+        self.training = validate_training_args(with_training_defaults(self.training))
         check_choice("warmup", self.warmup, WARMUP_RULES)
         check_choice("classification_loss", self.classification_loss, CLASSIFICATION_LOSSES)
         check_choice("class_scope", self.class_scope, CLASS_SCOPES)
@@ -267,6 +272,20 @@ class ContinualArguments:
             if self.training.get("dataloader_drop_last") is False:
                 raise ConfigError("samples_per_task trains on whole global batches only (dataloader_drop_last is "
                                   "set): remove training.dataloader_drop_last")
+
+
+def planned_steps(rows: int, training: dict[str, Any], processes: int = 1) -> int:
+    """Optimizer steps a task of `rows` training examples takes under `training` (TrainingArguments fields), as
+    `Trainer.set_initial_training_values` counts them: `max_steps` when set, else epochs x ceil(batches / accumulation)
+    with each process's share of the rows (the distributed sampler pads it up)."""
+    if int(training.get("max_steps", -1)) > 0:
+        return int(training["max_steps"])
+    per_process = math.ceil(rows / processes)
+    batch = int(training.get("per_device_train_batch_size", 8))
+    batches = per_process // batch if training.get("dataloader_drop_last") else math.ceil(per_process / batch)
+    accumulation = int(training.get("gradient_accumulation_steps", 1))
+    per_epoch = max(batches // accumulation + int(batches % accumulation > 0), 1)
+    return math.ceil(float(training.get("num_train_epochs", 3.0)) * per_epoch)
 
 
 def validate_training_args(training: dict[str, Any]) -> dict[str, Any]:
@@ -486,6 +505,11 @@ class ContinualLearner:
             self.state.resumed_from = self.state.last_checkpoint = resumed
         else:
             first_task = 0
+        self._check_planned_steps(first_task)
+        if resumed is not None and first_task == len(self.stream):
+            logger.warning("Every task of the stream was already trained (resumed from %s): nothing to train; the "
+                           "results are those of the finished run", resumed)
+        elif resumed is None:
             if self.args.evaluate_initial:
                 self.results.add_row("initial", self.evaluate(trained=0))
                 self.stream_logger.log_results(self.results, "initial", step=0)
@@ -687,9 +711,41 @@ class ContinualLearner:
             )
         return steps
 
+    def _check_planned_steps(self, first_task: int) -> None:
+        """Before the stream trains: each task's optimizer steps, where they are known without training (map-style
+        data that no method transforms), against what the methods need (`ContinualMethod.check_task_steps`)."""
+        if any(type(method).train_dataset is not ContinualMethod.train_dataset for method in self.methods):
+            return  # replay, joint: the data a task trains on is known at its start (checked then)
+        for index, task in enumerate(self.stream):
+            if index < first_task or is_streaming(task.train):
+                continue
+            values = {**self.args.training}
+            if index == 0 and self.args.first_task_epochs is not None:
+                values["num_train_epochs"], values["max_steps"] = self.args.first_task_epochs, -1
+            if self.args.samples_per_task is not None:
+                values["max_steps"] = self._budget_steps(values)
+                values["dataloader_drop_last"] = True
+            steps = planned_steps(len(task.train), values, world_size())
+            for method in self.methods:
+                method.check_task_steps(index, task.name, steps)
+
+    def _check_task_steps(self, context: TaskContext, trainer: ContinualTrainer) -> None:
+        """Before a task trains, with its exact optimizer steps: what the methods need, and a learning rate that
+        leaves zero (a warmup as long as a one-step task would train nothing)."""
+        steps = trainer.set_initial_training_values(trainer.args, trainer.get_train_dataloader())[-1]
+        for method in self.methods:
+            method.check_task_steps(context.task_index, context.task.name, steps)
+        warmup = trainer.args.get_warmup_steps(steps)
+        if steps == 1 and warmup >= 1:
+            raise ValueError(
+                f"Task {context.task_index} ({context.task.name!r}) trains 1 optimizer step, and its warmup "
+                f"(training.warmup_steps={trainer.args.warmup_steps}) takes it: the learning rate of that step is 0, so "
+                "the task would train nothing. Set training.warmup_steps=0 or train the task longer")
+
     def _train_task(self, context: TaskContext) -> ContinualTrainer:
         with phase_timer(context.phase_seconds, "setup"):
             trainer = self._build_trainer(context)
+            self._check_task_steps(context, trainer)
         with phase_timer(context.phase_seconds, "train"):
             trainer.train(resume_from_checkpoint=checkpointing.mid_task_checkpoint(self, trainer.args,
                                                                                    context.task_index))

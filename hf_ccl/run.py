@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,8 @@ from .families import (
 from .hub import PushFailedError
 from .methods import ContinualMethod, build_methods, check_methods
 from .modeling import ContinualDualEncoder
+from .paths import check_default_tokenizer
+from .run_folder import RunFolderError, RunFolderLock, check_run_folder
 from .validation import ConfigError, check_mapping, type_hints
 
 logger = logging.getLogger(__name__)
@@ -166,11 +169,28 @@ def check_local_paths(config: RunConfig) -> None:
         config.model["pretrained"] = check_source("model.pretrained", pretrained, "config.json")
     if config.tokenizer is not None:
         config.tokenizer = check_source("tokenizer", config.tokenizer, None)
+    elif pretrained is None:  # the default tokenizer: the shared folder's, else the Hub's (a pip install)
+        try:
+            check_default_tokenizer()
+        except OSError as error:
+            raise ConfigError(str(error), "tokenizer") from error
     if config.data_root is not None and not Path(config.data_root).expanduser().is_dir():
         raise ConfigError(f"data_root: no such folder {config.data_root!r} (the folder of the HF dataset folders)",
                           "data_root")
     if Path(config.output_dir).expanduser().is_file():
         raise ConfigError(f"output_dir {config.output_dir!r} is a file, not a folder", "output_dir")
+    existing = Path(config.output_dir).expanduser().absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if is_main_process() and not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"output_dir {config.output_dir!r} cannot be written: {existing} is read-only (a read-only "
+                          "disk, or no permission)", "output_dir")
+    if is_main_process():  # another run in the folder: refused now, not after the run is built
+        try:
+            check_run_folder(Path(config.output_dir), resume=config.resume_from_checkpoint not in (None, False),
+                             overwrite=config.overwrite_output_dir)
+        except RunFolderError as error:
+            raise ConfigError(str(error), "output_dir") from None
 
 
 def check_source(key: str, value: str, required_file: str | None) -> str:
@@ -205,11 +225,22 @@ def run(config: RunConfig | CheckedRun) -> ResultsMatrix:
     # everything is checked before the stream is built or anything is written
     checked = config if isinstance(config, CheckedRun) else check_config(config)
     config = checked.config
+    lock = RunFolderLock(config.output_dir)
+    if is_main_process():  # held from before the run is built until it has reported: no other run slips in
+        lock.acquire()
+    try:
+        return _run_locked(checked)
+    finally:
+        lock.release()
+
+
+def _run_locked(checked: CheckedRun) -> ResultsMatrix:
+    config = checked.config
     stream = build_run_stream(config)
     model = load_model(config)
     image_processor, tokenizer = load_processors(config, model)
     learner = ContinualLearner(model, stream, checked.methods, image_processor, tokenizer, checked.args)
-    learner.claim_output_dir()  # locked, and not another run's folder, before anything is written there
+    learner.claim_output_dir()  # not another run's folder, before anything is written there
     if is_main_process():
         save_config(config, Path(config.output_dir) / "run_config.yaml")
     results = learner.fit()

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..paths import default_tokenizer_path
+from ..paths import check_default_tokenizer
 from .image_cache import PIXELS_COLUMN, output_size, pixel_lookup, pixels_to_tensor
 from .images import decode_image
 
@@ -34,18 +34,13 @@ def stable_hash(text: str) -> int:
 
 
 def load_tokenizer(name_or_path: str | Path | None = None) -> Any:
-    """Any HF tokenizer by name or path (`AutoTokenizer`); default: the bundled CLIP BPE tokenizer. A local folder is
+    """Any HF tokenizer by name or path (`AutoTokenizer`); default: OpenAI CLIP's BPE (`paths.default_tokenizer_source`). A local folder is
     loaded as the class its `tokenizer_config.json` names: `AutoTokenizer` would otherwise follow the model type of a
     `config.json` beside it (a SigLIP 2 checkpoint trained with another family's tokenizer)."""
     import transformers
 
-    if name_or_path is None:
-        name_or_path = default_tokenizer_path()
-        if not name_or_path.is_dir():
-            raise FileNotFoundError(
-                f"The bundled CLIP tokenizer is not at {name_or_path}: set HF_CCL_SHARED to the shared/ folder, or "
-                "pass a tokenizer name or path (config key `tokenizer`)"
-            )
+    if name_or_path is None:  # the shared folder's CLIP BPE, else the same one from the Hub (a pip install)
+        name_or_path = check_default_tokenizer()
     config = Path(name_or_path) / "tokenizer_config.json"
     if config.is_file():
         saved_class = getattr(transformers, str(json.loads(config.read_text(encoding="utf-8")).get("tokenizer_class")),

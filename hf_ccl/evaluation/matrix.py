@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..compute import TaskCompute, cost_table, cost_totals
+from ..files import write_text_atomic
 from .continual_metrics import summarize
 
 INITIAL_LABEL = "initial"
@@ -233,8 +234,8 @@ class ResultsMatrix:
         """Write `results.json` and `results.md` into `directory` (created if needed); return the directory."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        _write_atomic(directory / RESULTS_JSON, json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n")
-        _write_atomic(directory / RESULTS_MD, self.to_markdown())
+        write_text_atomic(directory / RESULTS_JSON, json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n")
+        write_text_atomic(directory / RESULTS_MD, self.to_markdown())
         return directory
 
     @classmethod
@@ -328,8 +329,3 @@ def _derived_table(matrix: ResultsMatrix) -> list[str]:
     return lines
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Write via a temporary file and rename, so a crash never leaves a half-written file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)

@@ -193,6 +193,11 @@ class ContinualMethod:
     def check_stream(self, stream: TaskStream) -> None:
         """Refuse a stream the method cannot train (raise ValueError), before anything is built or trained."""
 
+    def check_task_steps(self, task_index: int, task_name: str, steps: int) -> None:
+        """Refuse (raise ValueError naming the option) a task of `steps` optimizer steps that the method cannot
+        train as asked; called for every task before the stream trains (where the steps are known then) and again
+        before each task trains, with its exact count."""
+
     def on_task_start(self, context: TaskContext) -> None:
         """Called before a task trains. To change the model, assign `context.model`; to change the tokenizer, call
         `context.replace_tokenizer`."""

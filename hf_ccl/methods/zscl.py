@@ -142,6 +142,10 @@ class ZSCL(ContinualMethod):
         if any(task.kind == "pair" for task in stream):
             raise ValueError("zscl trains image-text tasks; a pair stream's tasks have no images and captions")
 
+    def check_task_steps(self, task_index: int, task_name: str, steps: int) -> None:
+        if self.config.weight_ensemble:
+            self.ensemble.check_steps(steps, f"Task {task_index} ({task_name!r})", "method_args.zscl.ensemble_every")
+
     # ----- task start: the teacher, the reference set, the ensemble -----------------------------------------
     def on_task_start(self, context: TaskContext) -> None:
         model = context.model
