@@ -432,6 +432,7 @@ class ContinualLearner:
         self.settings = run_settings(args, stream, methods)  # what a resume must match (before anything runs)
         self.resume_changes: list[dict[str, Any]] = []  # settings changed on purpose at a resume
         self._lock: RunFolderLock | None = None
+        self._owns_lock = False
 
     @property
     def compute(self) -> list[TaskCompute]:
@@ -470,20 +471,24 @@ class ContinualLearner:
         return min(self.args.max_length or limit, limit)
 
     # ----- the loop -----------------------------------------------------------------------------------------
-    def claim_output_dir(self) -> None:
+    def claim_output_dir(self, lock: RunFolderLock | None = None) -> None:
         """Lock output_dir for this run (main process) and refuse to start a new run over another run's files
-        (`overwrite_output_dir` removes them). Done by `fit`; call it earlier to check before writing anything."""
+        (`overwrite_output_dir` removes them). Done by `fit`; call it earlier to check before writing anything.
+        `lock`: one the caller already holds on output_dir (and releases itself, after `fit`)."""
         if self._lock is not None or not is_main_process():
             return
-        lock = RunFolderLock(self.output_dir)
-        lock.acquire()
+        owned = lock is None
+        lock = lock or RunFolderLock(self.output_dir)
+        if owned:
+            lock.acquire()
         try:
             claim_run_folder(self.output_dir, resume=self.args.resume_from_checkpoint not in (None, False),
                              overwrite=self.args.overwrite_output_dir)
         except BaseException:
-            lock.release()
+            if owned:
+                lock.release()
             raise
-        self._lock = lock
+        self._lock, self._owns_lock = lock, owned
 
     def fit(self) -> ResultsMatrix:
         """Run the whole stream; returns the results matrix (also saved in every checkpoint)."""
@@ -491,9 +496,9 @@ class ContinualLearner:
         try:
             return self._fit()
         finally:
-            if self._lock is not None:
+            if self._lock is not None and self._owns_lock:
                 self._lock.release()
-                self._lock = None
+            self._lock = None
 
     def _fit(self) -> ResultsMatrix:
         self.stream_logger = StreamLogger(self.args.training.get("report_to"), self.output_dir, self.callbacks)

@@ -229,18 +229,18 @@ def run(config: RunConfig | CheckedRun) -> ResultsMatrix:
     if is_main_process():  # held from before the run is built until it has reported: no other run slips in
         lock.acquire()
     try:
-        return _run_locked(checked)
+        return _run_locked(checked, lock)
     finally:
         lock.release()
 
 
-def _run_locked(checked: CheckedRun) -> ResultsMatrix:
+def _run_locked(checked: CheckedRun, lock: RunFolderLock) -> ResultsMatrix:
     config = checked.config
     stream = build_run_stream(config)
     model = load_model(config)
     image_processor, tokenizer = load_processors(config, model)
     learner = ContinualLearner(model, stream, checked.methods, image_processor, tokenizer, checked.args)
-    learner.claim_output_dir()  # not another run's folder, before anything is written there
+    learner.claim_output_dir(lock)  # not another run's folder, before anything is written there
     if is_main_process():
         save_config(config, Path(config.output_dir) / "run_config.yaml")
     results = learner.fit()

@@ -103,14 +103,8 @@ def _in_use(folder: Path, holder: dict[str, Any]) -> str:
             f"or choose another output_dir (lock: {folder / LOCK_FILE})")
 
 
-#: Locks this process holds, by lock file: {path: [open handle, holders]} (a lock taken again by the same process,
-#: e.g. `hf_ccl.run.run` and then the learner's `fit`, is counted, not refused).
-_HELD: dict[Path, list[Any]] = {}
-
-
 class RunFolderLock:
-    """An exclusive lock on a run folder for as long as the run lasts (`acquire` ... `release`, or `with`).
-    Re-entrant within one process."""
+    """An exclusive lock on a run folder for as long as the run lasts (`acquire` ... `release`, or `with`)."""
 
     def __init__(self, folder: str | Path):
         self.path = Path(folder) / LOCK_FILE
@@ -118,7 +112,7 @@ class RunFolderLock:
 
     def holder(self) -> dict[str, Any] | None:
         """Who holds the lock now when another process does (pid, host, start), else None; takes nothing."""
-        if not self.path.is_file() or self.path.resolve() in _HELD:
+        if not self.path.is_file() or self._handle is not None:
             return None
         with open(self.path, "a+", encoding="utf-8") as handle:
             if self._flock(handle):
@@ -127,11 +121,6 @@ class RunFolderLock:
 
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        key = self.path.resolve()
-        if key in _HELD:
-            _HELD[key][1] += 1
-            self._handle = _HELD[key][0]
-            return
         handle = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 (held until release)
         if not self._flock(handle):
             holder = _read_holder(self.path)
@@ -143,7 +132,6 @@ class RunFolderLock:
                                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
         handle.flush()
         self._handle = handle
-        _HELD[key] = [handle, 1]
 
     def _flock(self, handle: Any) -> bool:
         """Take the lock: True when this process holds it now."""
@@ -161,13 +149,6 @@ class RunFolderLock:
     def release(self) -> None:
         if self._handle is None:
             return
-        key = self.path.resolve()
-        if key in _HELD:
-            _HELD[key][1] -= 1
-            if _HELD[key][1] > 0:
-                self._handle = None
-                return
-            del _HELD[key]
         self._handle.seek(0)
         self._handle.truncate()  # an empty lock file: nobody holds it (also for the pid fallback)
         self._handle.close()  # closing releases the flock
