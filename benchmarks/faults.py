@@ -180,7 +180,12 @@ BAD_INPUTS: list[tuple[str, list[str], str]] = [
     ("a token in the training section", [f"training.hub_token={FAKE_TOKEN}"], "hub_token"),
     ("a token under a mistyped key", [f"hub_tokn={FAKE_TOKEN}"], "hub_tokn"),
     ("unknown top-level key", ["sed=3"], "sed"),
-    ("warmup with a constant schedule", ["training.lr_scheduler_type=constant"], "warmup"),
+    ("warmup with a constant schedule", ["training.lr_scheduler_type=constant", "training.warmup_steps=2"], "warmup"),
+    ("a token as hub_model_id", [f"hub_model_id=someone/{FAKE_TOKEN}"], "hub_model_id"),
+    ("a token as card_license", [f"card_license={FAKE_TOKEN}"], "card_license"),
+    ("a token as training.run_name", [f"training.run_name={FAKE_TOKEN}"], "training.run_name"),
+    ("a token as model.pretrained", [f"model.pretrained={FAKE_TOKEN}", "model.config={}"], "model.pretrained"),
+    ("a token as a method option's name", [f"method_args.er.{FAKE_TOKEN}=1"], "method_args.er"),
     ("push without a repository", ["training.push_to_hub=true"], "push_to_hub"),
     ("bad Hub repository id", ["hub_model_id=not a repo"], "hub_model_id"),
 ]
@@ -215,7 +220,33 @@ def config_file_cases() -> list[Case]:
         ran = cli(target)
         return Judge.refused(ran, tmp / "none", "output_dir")
 
+    def newline_task_name(tmp: Path) -> Outcome:
+        config = tmp / "newline.yaml"
+        config.write_text("stream:\n  builder: datasets\n  name: pacs-two\n  entries:\n"
+                          "    - {name: \"photo\\nart\", train: pacs, where: {domain: photo}, label_column: label}\n"
+                          "    - {name: sketch, train: pacs, where: {domain: sketch}, label_column: label}\n"
+                          "stream_args: {max_train_per_task: 32, max_eval_per_task: 10}\n")
+        ran = cli(tmp / "run", base=["--config", str(config), "progress=false", "training.max_steps=2",
+                                     "model.config.hidden_size=32", "model.config.num_layers=1"])
+        return Judge.refused(ran, tmp / "none", "task name")
+
+    def read_only_disk(tmp: Path) -> Outcome:
+        if os.geteuid() != 0:
+            return Outcome("not run", "-", "needs root to mount a read-only tmpfs")
+        mount = tmp / "read-only"
+        mount.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(mount)], check=True)
+        try:
+            ran = cli(mount / "run")
+            if "space" in ran.message.lower():
+                return Outcome("UNCLEAR ERROR", exit_text(ran.code), "called a full disk: " + ran.message)
+            return Judge.refused(ran, tmp / "none", "read-only")
+        finally:
+            subprocess.run(["umount", "-l", str(mount)], check=False)
+
     return [Case("bad input", "missing config file", "--config nope.yaml", missing),
+            Case("bad input", "newline in a task name", "a stream entry named 'photo\\nart'", newline_task_name),
+            Case("bad input", "read-only output disk", "output_dir on a read-only tmpfs", read_only_disk),
             Case("bad input", "YAML syntax error", "an unclosed list", broken),
             Case("bad input", "output_dir is a file", "output_dir=<a file>", output_is_a_file)]
 
@@ -306,7 +337,85 @@ class Faults:
         ran = cli(output_dir, "seed=1")
         if ran.code == 0:
             return Outcome("SILENT WRONG RESULT", "0", "a new run wrote into another run's folder")
-        return self.judge.error(ran, names="resume")
+        if ran.code != 2:
+            return Outcome("UNCLEAR ERROR", exit_text(ran.code), "not refused before the run was built: " + ran.message)
+        return Outcome("refused before work", "2", ran.message) if "resume" in ran.message else self.judge.error(ran)
+
+    def concurrent_overwrite(self, tmp: Path) -> Outcome:
+        """`overwrite_output_dir=true` while another run trains in the folder: refused; the first run undisturbed."""
+        output_dir = tmp / "run"
+        first = subprocess.Popen([sys.executable, "-m", "hf_ccl.cli", "train", *BASE, f"output_dir={output_dir}"],
+                                 cwd=REPO, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 120
+        while not (output_dir / "run_config.yaml").exists() and time.time() < deadline and first.poll() is None:
+            time.sleep(0.1)
+        second = cli(output_dir, "overwrite_output_dir=true")
+        out, err = first.communicate(timeout=900)
+        if second.code == 0:
+            return Outcome("SILENT WRONG RESULT", f"{first.returncode}/0", "the overwrite ran over a running run")
+        if first.returncode != 0 or rows(output_dir) != self.judge.reference:
+            return Outcome("DATA LOST", f"{first.returncode}/{second.code}", "the first run was disturbed: " +
+                           err[-200:])
+        outcome = Judge.refused(second, tmp / "none", "in use by another run")
+        return Outcome(outcome.outcome, f"first 0; second {outcome.exit}", outcome.seen)
+
+    def leftover_of_failed_run(self, tmp: Path) -> Outcome:
+        """A first run that failed before its first checkpoint left run_config.yaml and an empty trainer/: the
+        rerun (not a resume) starts there."""
+        output_dir = tmp / "run"
+        (output_dir / "trainer" / "task-0").mkdir(parents=True)
+        (output_dir / "run_config.yaml").write_text("seed: 3\n")
+        return self.judge.resumed(cli(output_dir), output_dir)
+
+    def sigterm_first_task(self, tmp: Path) -> Outcome:
+        """SIGTERM in task 0 after its first Trainer checkpoint: the message must point at that checkpoint."""
+        output_dir = tmp / "run"
+        first = cli(output_dir, child="sigterm:3")
+        if first.code != 143 or "resume with" not in first.err:
+            return Outcome("UNCLEAR ERROR", exit_text(first.code), "no way to resume named: " + first.message)
+        return self.judge.resumed(cli(output_dir, "resume_from_checkpoint=true"), output_dir, "143")
+
+    def planted_link(self, tmp: Path) -> Outcome:
+        """compute.json, results.json and run_config.yaml of the run folder replaced by links to a file outside it."""
+        output_dir = tmp / "run"
+        shutil.copytree(self.killed_run, output_dir)
+        outside = tmp / "outside.txt"
+        outside.write_text("keep me")
+        for name in ("compute.json", "results.json", "run_config.yaml"):
+            (output_dir / name).unlink(missing_ok=True)
+            (output_dir / name).symlink_to(outside)
+        outcome = self.judge.resumed(cli(output_dir, "resume_from_checkpoint=true"), output_dir)
+        if outside.read_text() != "keep me":
+            return Outcome("DATA LOST", outcome.exit, "a file outside the run folder was overwritten through a link")
+        return outcome
+
+    def allowed_label_change(self, tmp: Path) -> Outcome:
+        output_dir = tmp / "run"
+        shutil.copytree(self.killed_run, output_dir)
+        ran = cli(output_dir, "resume_from_checkpoint=true", "stream_args.label_space=all",
+                  "resume_allow_changes=[stream*]")
+        if ran.code != 0:
+            return self.judge.error(ran)
+        state = json.loads((latest_task(output_dir) / "continual_state.json").read_text())
+        recorded = [change.get("key") for change in state.get("resume_changes", [])]
+        card = (latest_task(output_dir) / "README.md").read_text()
+        if not any(".labels." in key for key in recorded) or not any(key in card for key in recorded):
+            return Outcome("SILENT WRONG RESULT", "0", f"the change is not recorded (resume_changes: {recorded})")
+        return Outcome("recovered", "0", "resumed; the label change is recorded in continual_state.json and the card")
+
+    def refused_before_training(self, overrides: tuple[str, ...], names: str) -> Callable[[Path], Outcome]:
+        """A run that cannot train as asked, known from the stream: an error before any task trains."""
+
+        def run(tmp: Path) -> Outcome:
+            output_dir = tmp / "run"
+            ran = cli(output_dir, *overrides)
+            if ran.code == 0:
+                return Outcome("SILENT WRONG RESULT", "0", "accepted: " + ran.message)
+            if list(output_dir.glob("task-*")) or (output_dir / "trainer").exists():
+                return Outcome("UNCLEAR ERROR", exit_text(ran.code), "refused only after training: " + ran.message)
+            return self.judge.error(ran, names=names)
+
+        return run
 
     def overwrite(self, tmp: Path) -> Outcome:
         output_dir = tmp / "run"
@@ -343,7 +452,13 @@ class Faults:
         if first.code != 0:
             return self.judge.error(first)
         (output_dir / "results.json").unlink()
-        return self.judge.resumed(cli(output_dir, "resume_from_checkpoint=true"), output_dir, "0")
+        again = cli(output_dir, "resume_from_checkpoint=true")
+        outcome = self.judge.resumed(again, output_dir, "0")
+        if outcome.outcome == "recovered" and "nothing to train" not in again.err:
+            return Outcome("SILENT WRONG RESULT", outcome.exit, "the matrix is printed with no word that nothing "
+                           "was trained")
+        return Outcome(outcome.outcome, outcome.exit, outcome.seen + ("; says nothing was trained"
+                                                                       if outcome.outcome == "recovered" else ""))
 
     # --- damaged files ---
     def damaged(self, damage: Callable[[Path], str], expect: str) -> Callable[[Path], Outcome]:
@@ -584,10 +699,39 @@ def build_cases(faults: Faults) -> list[Case]:
              k.damaged(lambda d: flip_bytes(trainer_checkpoint(d) / "model.safetensors"), "recovered")),
         Case("damaged", "newest task checkpoint deleted", "task-2 removed, resume",
              k.damaged(lambda d: shutil.rmtree(latest_task(d)), "recovered")),
+        Case("damaged", "manifest deleted and weights damaged", "task-2 without checkpoint_manifest.json, resume",
+             k.damaged(lambda d: (latest_task(d) / "checkpoint_manifest.json").unlink()
+                       or flip_bytes(latest_task(d) / "model.safetensors"), "recovered")),
+        Case("damaged", "a file placed in a task folder", "special_tokens_map.json with another pad token, resume",
+             k.damaged(lambda d: (latest_task(d) / "special_tokens_map.json").write_text('{"pad_token": "!"}') and None,
+                       "recovered")),
+        Case("damaged", "a sharded-weights index placed in a task folder", "model.safetensors.index.json, resume",
+             k.damaged(lambda d: (latest_task(d) / "model.safetensors.index.json").write_text("{}") and None,
+                       "recovered")),
+        Case("damaged", "hand-edited model card", "README.md edited, resume",
+             k.damaged(lambda d: (latest_task(d) / "README.md").write_text("# my notes\n") and None, "recovered")),
+        Case("folder", "overwrite while another run trains", "overwrite_output_dir=true during a run",
+             k.concurrent_overwrite),
+        Case("folder", "rerun after a run that failed in task 0", "run_config.yaml and an empty trainer/ left",
+             k.leftover_of_failed_run),
+        Case("folder", "links planted in the run folder", "compute.json, results.json, run_config.yaml -> outside",
+             k.planted_link),
+        Case("folder", "resume with another label space", "stream_args.label_space=all",
+             k.changed_on_resume("stream_args.label_space=all", "label_space")),
+        Case("folder", "resume with an allowed label-space change", "resume_allow_changes=[stream*]",
+             k.allowed_label_change),
+        Case("interruption", "SIGTERM in the first task", "SIGTERM at step 3 (after a Trainer checkpoint), resume",
+             k.sigterm_first_task),
+        Case("late failure", "weight ensemble longer than a task", "methods=[zscl] (ensemble_every 100, 4 steps)",
+             k.refused_before_training(("methods=[zscl]",), "ensemble_every")),
+        Case("late failure", "one-step task with a fractional warmup", "training.max_steps=1 (warmup 0.1)",
+             k.refused_before_training(("training.max_steps=1", "training.save_strategy=no"), "warmup_steps")),
         Case("hub", "every push fails", "HTTP 500 on every write", k.hub({"fail_every": 1}, "failed")),
         Case("hub", "flaky Hub", "HTTP 500 on every 3rd write (retried)", k.hub({"fail_every": 3}, "pushed")),
         Case("hub", "reply lost after a commit", "every 4th write committed, then the connection dropped",
              k.hub({"lose_reply_every": 4}, "pushed")),
+        Case("hub", "every 2nd reply lost", "every 2nd write committed, then the connection dropped",
+             k.hub({"lose_reply_every": 2}, "pushed")),
         Case("hub", "Hub unreachable", "HF_ENDPOINT at a closed port", k.unreachable_hub),
         Case("hub", "damaged download", "a pushed blob's bytes changed on the server, resume from the Hub",
              k.hub_download_damaged),
