@@ -90,7 +90,7 @@ class RNGState:
 def _accelerator_module() -> Any:
     """The device module (`torch.cuda`, `torch.xpu`, `torch.mps`, ...) of the accelerator in use, None without one
     or before it is initialised (nothing can have been drawn on it then)."""
-    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     if accelerator is None:
         return None
     module = torch.get_device_module(accelerator.type)

@@ -156,21 +156,29 @@ def test_with_random_forwards_the_step_is_the_gradient_of_the_loss_it_computed(c
     assert _distance(unreplayed, reference) > 1e-3, "no randomness reached the gradient"
 
 
-@pytest.mark.parametrize("method", REPRESENTATIVE_MATRIX)  # every method under -m slow
-def test_every_method_trains_the_same_with_32x2_as_with_64x1(tmp_path, method):
-    """Two tasks with 2 SGD steps each: every parameter and every logged loss term of the first step of the second
-    task (where the teachers, penalties, buffers and queues are live) agree; the first loss is ln 64, not ln 32."""
+@pytest.fixture(scope="module", params=REPRESENTATIVE_MATRIX)  # every method under -m slow
+def method_runs(request, tmp_path_factory):
+    """A method's two-task run of 32 x 2 and of 64 x 1 (2 SGD steps per task), with their logs, by batch size."""
+    method = request.param
     if method in PAIR_ONLY:
         pytest.skip("pair tasks train one micro-batch per step; accumulation is refused (test_pair_tasks)")
     sgd = {"learning_rate": 0.5, "optim": "sgd", "weight_decay": 0.0, "lr_scheduler_type": "constant",
            "warmup_steps": 0}
+    folder = tmp_path_factory.mktemp(method)
     runs = {}
     for batch, steps in ((32, 2), (64, 1)):
         recorder = LogRecorder()
         training = {**sgd, "per_device_train_batch_size": batch, "gradient_accumulation_steps": steps}
-        learner = run_method(method, tmp_path / f"{batch}x{steps}", training, samples_per_task=128,
+        learner = run_method(method, folder / f"{batch}x{steps}", training, samples_per_task=128,
                              callbacks=[recorder])
         runs[batch] = (learner, recorder)
+    return method, runs
+
+
+def test_every_method_trains_the_same_with_32x2_as_with_64x1(method_runs):
+    """Two tasks with 2 SGD steps each: every parameter and every logged loss term of the first step of the second
+    task (where the teachers, penalties, buffers and queues are live) agree; the first loss is ln 64, not ln 32."""
+    _, runs = method_runs
     (accumulated, accumulated_logs), (whole, whole_logs) = runs[32], runs[64]
     first_loss = accumulated_logs.first_step(0).get("loss/contrastive")
     if first_loss is not None:  # a random CLIP scores near uniformly: the loss starts at ln(batch)
@@ -185,6 +193,43 @@ def test_every_method_trains_the_same_with_32x2_as_with_64x1(tmp_path, method):
     assert seen == [c.samples_seen for c in whole.compute] and seen[0] == 128  # (oracle trains t x C)
     for (name, mine), theirs in zip(accumulated.model.named_parameters(), whole.model.parameters(), strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_every_methods_checkpoint_loads_as_the_model_it_scored_the_way_its_card_says(method_runs):
+    """(Reusing the run above.) The last task's checkpoint, loaded as its model card says, scores exactly the run's
+    last row: with plain transformers (`AutoModel.from_pretrained`), or, for a method that keeps part of the model in
+    its state, with the loader it declares (`checkpoint_loader`), which the card then names. A new method whose
+    checkpoint drops state fails here until it declares its loader."""
+    import importlib
+
+    from transformers import AutoModel
+
+    from hf_ccl.evaluation import evaluate_task
+    from hf_ccl.methods import METHODS
+
+    method, runs = method_runs
+    learner = runs[64][0]
+    folder = learner.save_checkpoint(1)
+    card = (folder / "README.md").read_text(encoding="utf-8")
+    loader = METHODS[method].checkpoint_loader
+    if loader is None:
+        model = AutoModel.from_pretrained(folder)
+        assert "is not this revision's weights alone" not in card
+    else:
+        model = getattr(importlib.import_module(loader.module), loader.function)(folder)
+        assert f"from {loader.module} import {loader.function}" in card
+    images = random_image_inputs(learner.model, 4)
+    texts = learner.tokenizer(["a photo of a seven", "two dogs"], padding=True, return_tensors="pt")
+    learner.model.eval()
+    with torch.no_grad():
+        for mine, theirs in ((model.get_image_features(**images), learner.model.get_image_features(**images)),
+                             (model.get_text_features(**texts), learner.model.get_text_features(**texts))):
+            torch.testing.assert_close(mine.pooler_output, theirs.pooler_output, rtol=0, atol=0, msg=method)
+    row = learner.results.rows[-1].metrics
+    for task in learner.stream:
+        scores = evaluate_task(model, task, learner.image_processor, learner.tokenizer,
+                               batch_size=learner.args.eval_batch_size, max_length=learner.max_length)
+        assert scores[task.headline_metric] == row[task.name][task.headline_metric], (method, task.name)
 
 
 @pytest.mark.parametrize("methods", [["finetune"], ["er"]])

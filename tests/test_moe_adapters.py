@@ -641,3 +641,44 @@ def test_the_cards_loader_gives_the_scored_model_and_plain_transformers_the_base
         assert torch.equal(value, start[key]), key
     assert _scores(plain, processor, stream) == initial
     assert {task: metrics["accuracy"] for task, metrics in row.items()} != initial  # the two models differ
+
+
+# ----- sizes: refused before anything is built ----------------------------------------------------------------------
+TINY_SIZES = {"hidden_size": 32, "num_layers": 1, "projection_dim": 32}
+
+
+@pytest.mark.parametrize(("option", "value"), [("num_experts", 100000), ("bottleneck", 100000)])
+def test_absurd_sizes_are_refused_by_the_cli_before_anything_is_built(tmp_path, capsys, option, value):
+    """`num_experts=100000` used to fail with a MemoryError after minutes: it is refused at once (exit 2, nothing
+    written), the message giving the parameters it implies against the model's own."""
+    from hf_ccl.cli import main
+
+    code = main(["train", "--config", "digits", "methods=[moe_adapters]",
+                 *(f"model.config.{key}={value}" for key, value in TINY_SIZES.items()),
+                 f"method_args.moe_adapters.{option}={value}", f"output_dir={tmp_path / 'run'}"])
+    error = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and not (tmp_path / "run").exists()
+    assert len(error) == 1 and error[0].startswith("hf-ccl: error: method_args.moe_adapters: ")
+    assert "more than the 1,617,889 of the model they adapt" in error[0] and "lower num_experts or bottleneck" in error[0]
+
+
+def test_the_size_bound_is_the_models_own_parameter_count():
+    """Adapters of E experts of bottleneck 8 on a hidden-32 CLIP with one layer per tower add, by hand,
+    2 layers x E x (2 x 32 x 8 + 8 + 32 + 2 x 32 router and noise weights) + one DDAS autoencoder
+    (2 x 32 x 100 + 32 + 100): at most the model's 1,617,889 parameters. The defaults pass; on the Python path
+    the task start refuses before installing anything."""
+    from hf_ccl.methods.sizes import model_skeleton
+
+    skeleton = model_skeleton({"config": TINY_SIZES})
+    base = sum(p.numel() for p in skeleton.parameters())
+    assert base == 1_617_889
+    _method(num_experts=22, bottleneck=64, ddas_code_dim=100).check_model(skeleton)
+    largest = (base - (2 * 32 * 100 + 32 + 100)) // (2 * (2 * 32 * 8 + 8 + 32 + 2 * 32))
+    _method(num_experts=largest, bottleneck=8, ddas_code_dim=100).check_model(skeleton)
+    with pytest.raises(ConfigError, match="more than the 1,617,889") as caught:
+        _method(num_experts=largest + 1, bottleneck=8, ddas_code_dim=100).check_model(skeleton)
+    assert caught.value.key == "method_args.moe_adapters.num_experts"
+    model = tiny_model("clip")
+    with pytest.raises(ConfigError, match="more than"):
+        _method(num_experts=10**6).on_task_start(_context(model))
+    assert moe_bank(model) is None
