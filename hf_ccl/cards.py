@@ -364,6 +364,20 @@ def _matrix_rows(matrix: ResultsMatrix) -> list[tuple[str, list[str]]]:
     return rows
 
 
+def checkpoint_loaders(methods: Mapping[str, Any]) -> list[dict[str, str]]:
+    """The loaders of the methods whose evaluated model is not the checkpoint's weights alone
+    (`ContinualMethod.checkpoint_loader`), for the card's "How to use"."""
+    from .methods import METHODS
+
+    loaders = []
+    for name in methods:
+        loader = getattr(METHODS.get(name), "checkpoint_loader", None)
+        if loader is not None:
+            loaders.append({"method": name, "module": loader.module, "function": loader.function,
+                            "keeps": loader.keeps, "plain_model": loader.plain_model})
+    return loaders
+
+
 def _template_text(template_path: str | Path | None) -> str:
     if template_path is not None:
         return Path(template_path).read_text(encoding="utf-8")
@@ -446,6 +460,7 @@ def build_model_card(
         "derived": derived,
         "derived_notes": derived_notes,
         "spatial_disorder": SPATIAL_DISORDER_PNG if (folder / SPATIAL_DISORDER_PNG).is_file() else "",
+        "loaders": checkpoint_loaders(methods),
         "repo_id": repo_id or REPO_PLACEHOLDER,
         "repo_id_placeholder": repo_id is None,
         "datasets": [(name, terms) for name, (terms, _) in datasets.items()],

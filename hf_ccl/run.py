@@ -34,6 +34,7 @@ from .families import (
 )
 from .hub import PushFailedError
 from .methods import ContinualMethod, build_methods, check_methods
+from .methods.sizes import check_method_sizes
 from .modeling import ContinualDualEncoder
 from .paths import check_default_tokenizer
 from .run_folder import RunFolderError, RunFolderLock, check_run_folder
@@ -121,6 +122,7 @@ def check_config(config: RunConfig, check_paths: bool = True) -> CheckedRun:
             check_family_methods(family, methods)
         except ValueError as error:
             raise ConfigError(str(error), "methods") from None
+    check_method_sizes(config.model, methods)  # against the model's own sizes (a meta-device skeleton)
     return CheckedRun(config, args, methods)
 
 

@@ -17,6 +17,8 @@
 | `on_task_end`          | update method state after a task (teachers, Fisher, buffers)           |
 | `metrics`              | diagnostics logged beside the loss terms (not added to the loss)       |
 | `state_dict` / `load_state_dict` | what must survive a restart, saved beside each task checkpoint |
+| `check_model`          | refuse options the model cannot take (sizes), before the model is built |
+| `checkpoint_loader`    | (class attribute) the loader of the evaluated model, when the weights alone are another |
 
 Methods compose: a run holds a list of them and calls each hook of each, in order. Each method declares what rules
 out a combination or an order (`roles`, `conflicts`, `runs_after`, `runs_before`; checked by `build_methods`).
@@ -34,6 +36,7 @@ from datasets import Dataset
 from transformers import PreTrainedTokenizerBase, TrainingArguments
 
 from ..validation import ConfigError, check_mapping, type_hints
+from .loading import CheckpointLoader
 
 if TYPE_CHECKING:
     from ..data.reference import ReferenceData
@@ -182,6 +185,10 @@ class ContinualMethod:
     runs_after: ClassVar[dict[str, str]] = {}
     #: Roles whose methods must come later in the method list: {role: why}.
     runs_before: ClassVar[dict[str, str]] = {}
+    #: How to load the model this method's runs evaluated when a checkpoint's weights alone, loaded with plain
+    #: transformers, are another model (part of it is kept in the method state); None when they are the evaluated
+    #: model. The model card's "How to use" gives it (`hf_ccl.methods.loading`).
+    checkpoint_loader: ClassVar[CheckpointLoader | None] = None
 
     def __init__(self, config: MethodConfig | dict[str, Any] | None = None):
         if config is None or isinstance(config, dict):
@@ -197,6 +204,11 @@ class ContinualMethod:
         """Refuse (raise ValueError naming the option) a task of `steps` optimizer steps that the method cannot
         train as asked; called for every task before the stream trains (where the steps are known then) and again
         before each task trains, with its exact count."""
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        """Refuse options the model cannot take (raise `ConfigError` naming `method_args.<method>.<option>`), from
+        its structure and sizes alone: `model` is the run's model on the meta device, before anything is built
+        (`hf_ccl.methods.sizes`), or the real model before the method changes it."""
 
     def on_task_start(self, context: TaskContext) -> None:
         """Called before a task trains. To change the model, assign `context.model`; to change the tokenizer, call

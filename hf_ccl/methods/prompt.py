@@ -44,6 +44,7 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from .base import ContinualMethod, MethodConfig, TaskContext
+from .loading import CheckpointLoader, checkpoint_folder
 from .registry import register_method
 from .state import STATE_JSON, load_method_states
 from .trainable import freeze_base, requires_grad_flags, restore_flags
@@ -179,6 +180,9 @@ class PromptLearning(ContinualMethod):
     }
     conflicts = {"parameter_efficient": "freezes the model but for its context vectors: each would freeze the "
                  "other's parameters"}
+    checkpoint_loader = CheckpointLoader(
+        module=__name__, function="load_prompted_model", keeps="its learned prompt (the context vectors)",
+        plain_model="the model without its learned prompt (texts embedded without the context vectors)")
 
     def __init__(self, config: PromptConfig | dict[str, Any] | None = None):
         super().__init__(config)
@@ -281,11 +285,15 @@ def load_prompt(checkpoint_dir: str | Path, task_index: int | None = None) -> Te
     return load_prompt_method(checkpoint_dir).prompt_module(task_index)
 
 
-def load_prompted_model(checkpoint_dir: str | Path, task_index: int | None = None) -> ContinualCLIPModel:
+def load_prompted_model(
+    name_or_path: str | Path, task_index: int | None = None, revision: str | None = None
+) -> ContinualCLIPModel:
     """The checkpoint's CLIP (a `ContinualCLIPModel`) with its learned prompt attached: `get_text_features`,
-    `embed_texts` and the evaluation functions then use the prompt."""
+    `embed_texts` and the evaluation functions then use the prompt. `name_or_path`: a task folder or a Hub
+    repository id with its `revision` (`task-<k>`)."""
     from ..modeling import ContinualCLIPModel
 
+    checkpoint_dir = checkpoint_folder(name_or_path, revision)
     model = ContinualCLIPModel.from_pretrained(str(checkpoint_dir))
     weight = model.get_input_embeddings().weight
     model.text_prompt = load_prompt(checkpoint_dir, task_index).to(device=weight.device, dtype=weight.dtype)
