@@ -11,7 +11,9 @@ a trial `TrainingArguments` built (nothing is written) so that transformers' own
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
+import typing
 from collections.abc import Callable, Mapping
 from functools import lru_cache
 from typing import Any
@@ -185,6 +187,7 @@ def check_training_args(training: Mapping[str, Any]) -> dict[str, Any]:
     for key in training:
         if key in REFUSED:
             raise ConfigError(f"training.{key} is not taken: {REFUSED[key]}", f"training.{key}")
+    training = {key: _yaml_no(key, value, fields[key]) for key, value in training.items()}
     checked = {key: check_value(f"training.{key}", value, fields[key]) for key, value in training.items()}
     for key, value in checked.items():
         if key in training_choices() and isinstance(value, str):
@@ -203,6 +206,18 @@ def check_training_args(training: Mapping[str, Any]) -> dict[str, Any]:
     check_fsdp(checked)
     _trial(checked)
     return checked
+
+
+def _yaml_no(key: str, value: Any, annotation: Any) -> Any:
+    """`False` for a field that takes "no" (its choices, or an enum with that value) is the YAML 1.1 reading of `no`
+    (`training.save_strategy=no`): "no"."""
+    if value is not False:
+        return value
+    choices = set(training_choices().get(key, ()))
+    for option in (annotation, *typing.get_args(annotation)):
+        if isinstance(option, type) and issubclass(option, enum.Enum):
+            choices |= {member.value for member in option}
+    return "no" if "no" in choices else value
 
 
 def _hashable(value: Any) -> bool:

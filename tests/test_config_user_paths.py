@@ -109,3 +109,10 @@ def test_a_read_only_disk_is_not_reported_as_full(tmp_path):
     assert disk_full(read_only, str(tmp_path)) is None
     full = OSError(errno.ENOSPC, "No space left on device")
     assert "no space left" in disk_full(full, str(tmp_path))
+
+
+def test_a_yaml_no_is_taken_as_the_choice_no():
+    """YAML 1.1 reads `no` as false: for a field that takes "no" (`save_strategy`), it means "no"."""
+    assert load_config(None, ["training.save_strategy=no"]).training["save_strategy"] == "no"
+    with pytest.raises(ConfigError, match="training.lr_scheduler_type"):
+        load_config(None, ["training.lr_scheduler_type=no"])
