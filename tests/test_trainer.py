@@ -278,3 +278,23 @@ def test_a_diverged_task_resumes_with_a_sane_learning_rate(tmp_path, capsys):
 
     assert main([*run, *resume, "training.learning_rate=1e-3"]) == 0
     assert json.loads((tmp_path / "results.json").read_text())["rows"] == reference
+
+
+def test_a_non_finite_model_is_not_scored_by_the_loop(tmp_path, clip_tokenizer):
+    """Evaluation's own check, through the loop: a model whose image tower outputs NaN (a checkpoint saved by a run
+    without these checks) fails at the initial evaluation, naming the model, the step and the task."""
+    from hf_ccl.evaluation import NonFiniteEmbeddingError
+
+    stream = build_stream("digits", max_train_per_task=16, max_eval_per_task=8)
+    stream.tasks = stream.tasks[:1]
+    model = tiny_clip()
+    with torch.no_grad():
+        model.visual_projection.weight.fill_(float("nan"))
+    args = ContinualArguments(output_dir=str(tmp_path), progress=False, training={"max_steps": 1})
+    learner = ContinualLearner(model, stream, build_methods(["finetune"]), load_image_processor(32), clip_tokenizer,
+                               args)
+    with pytest.raises(NonFiniteEmbeddingError, match=r"Non-finite embeddings of the initial model \(global step 0; "
+                                                      r"no checkpoint was written\): task 'digits-01', eval split: "
+                                                      r"image_embeds: 8 of 8 rows"):
+        learner.fit()
+    assert not (tmp_path / "results.json").exists()
