@@ -54,6 +54,7 @@ from .data.streaming import column_names, is_empty, is_streaming, whole_batches
 from .data.task import TaskStream
 from .data.workers import dataloader_defaults, training_device_type
 from .distributed import barrier, broadcast_object, is_main_process, world_size
+from .evaluation.checks import NonFiniteEmbeddingError
 from .evaluation.matrix import ResultsMatrix
 from .evaluation.schedule import StreamEvaluator, evaluated_after
 from .evaluation.spatial_disorder import SpatialDisorderCallback
@@ -820,8 +821,16 @@ class ContinualLearner:
             trained = self.results.num_trained
         metrics: dict[str, dict[str, float]] = {}
         if is_main_process():
-            metrics = evaluator.evaluate(self.model, self.stream, self.image_processor, self.tokenizer,
-                                         batch_size=self.args.eval_batch_size, max_length=self.max_length,
-                                         trained=trained)
+            try:
+                metrics = evaluator.evaluate(self.model, self.stream, self.image_processor, self.tokenizer,
+                                             batch_size=self.args.eval_batch_size, max_length=self.max_length,
+                                             trained=trained)
+            except NonFiniteEmbeddingError as error:  # name the model evaluated and what is kept
+                model = ("the initial model" if trained == 0
+                         else f"the model after task {trained - 1} ({self.stream[trained - 1].name!r})")
+                last = self.state.last_checkpoint
+                kept = f"the last good checkpoint is kept at {last}" if last else "no checkpoint was written"
+                raise NonFiniteEmbeddingError(f"Non-finite embeddings of {model} (global step {self.global_step}; "
+                                              f"{kept}): {error}") from error
         barrier()
         return metrics

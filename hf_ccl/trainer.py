@@ -29,10 +29,21 @@ CONTRASTIVE_TERM = "contrastive"
 #: Sub-folder of a Trainer checkpoint (`checkpoint-<step>/`) with the methods' and the collator's mid-task state.
 MID_TASK_STATE = "hf_ccl"
 MAX_LOGIT_SCALE = math.log(100.0)  # OpenAI CLIP clamps exp(logit_scale) at 100; transformers does not
+SHOWN_NAMES = 5  # non-finite weights or outputs named in an error
 
 
-class NonFiniteLossError(FloatingPointError):
+class NonFiniteError(FloatingPointError):
+    """Training produced NaN or infinite values; the message names the task and the step."""
+
+
+class NonFiniteLossError(NonFiniteError):
     """The loss became NaN or infinite; the message names the task, the first non-finite step and its terms."""
+
+
+class NonFiniteModelError(NonFiniteError):
+    """The model's weights, or its outputs on the last training batch, became NaN or infinite after an update whose
+    loss was finite (the last update of a task overflowed); the message names the task, the step and what is not
+    finite."""
 
 
 class NonFiniteWatch:
@@ -114,6 +125,10 @@ class ContinualTrainer(Trainer):
     after the first non-finite one), before any checkpoint is saved (a non-finite model is never saved) and when the
     task's training ends or fails (an error a method raised on NaN gradients is then reported as the non-finite
     loss it came from). With `logging_strategy="no"` the delay is up to the next checkpoint or the end of the task.
+    An update that overflows after a finite loss (the last one of a task: no later loss shows it) is found by
+    `NonFiniteModelError`: every weight and the model's outputs on the last training batch are checked when the
+    task's training ends and before any checkpoint is saved (one host sync each), so such a model is neither
+    evaluated nor saved.
 
     Gradient accumulation is exact for the contrastive loss and every method term (`hf_ccl.accumulation`): the
     micro-batches of one optimizer step are kept until the last one arrives, and the loss is computed once over
@@ -144,6 +159,8 @@ class ContinualTrainer(Trainer):
         self._term_sums: dict[str, torch.Tensor] = {}
         self._metric_sums: dict[str, torch.Tensor | float] = {}
         self._watch = NonFiniteWatch(self.args.device)
+        #: The last micro-batch trained on: the model's outputs on it are checked to be finite after the last update.
+        self._last_batch: Batch | None = None
         self._term_count = 0
         self._pending_chunks: list[Batch] = []  # micro-batches of the optimizer step in progress
         if self.args.gradient_accumulation_steps > 1 and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
@@ -212,16 +229,22 @@ class ContinualTrainer(Trainer):
         next task's Trainer would then skip compiling and wrapping it."""
         self._watch = NonFiniteWatch(self.args.device)
         try:
-            output = super().train(*args, **kwargs)
-        except NonFiniteLossError:
-            raise
-        except Exception as error:  # e.g. a method's solver on NaN gradients: report the loss it came from
-            self._raise_if_non_finite(f"when training failed with {type(error).__name__}: {error}", error, gather=False)
-            raise
+            try:
+                output = super().train(*args, **kwargs)
+            except NonFiniteError:
+                raise
+            except Exception as error:  # e.g. a method's solver on NaN gradients: report the loss it came from
+                self._raise_if_non_finite(f"when training failed with {type(error).__name__}: {error}", error,
+                                          gather=False)
+                raise
+            finally:
+                model = self.accelerator.unwrap_model(self.model_wrapped, keep_fp32_wrapper=False,
+                                                      keep_torch_compile=False)
+                model.__dict__.pop("_is_accelerate_prepared", None)
+            self._raise_if_non_finite("when the task's training ended")
+            self._raise_if_non_finite_model("when the task's training ended")
         finally:
-            model = self.accelerator.unwrap_model(self.model_wrapped, keep_fp32_wrapper=False, keep_torch_compile=False)
-            model.__dict__.pop("_is_accelerate_prepared", None)
-        self._raise_if_non_finite("when the task's training ended")
+            self._last_batch = None  # not kept past the task
         return output
 
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager:
@@ -245,6 +268,7 @@ class ContinualTrainer(Trainer):
             self.context.global_step = self.state.global_step
         chunks = [self._prepare_inputs(chunk) for chunk in (*self._pending_chunks, inputs)]
         self._pending_chunks = []
+        self._last_batch = chunks[-1]
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
@@ -343,12 +367,58 @@ class ContinualTrainer(Trainer):
         values = mine[1] if mine is not None and mine[0] == step else None
         raise self._non_finite_error(step, values, found) from cause
 
-    def _non_finite_error(self, step: int, values: dict[str, float] | None, found: str) -> NonFiniteLossError:
+    def _raise_if_non_finite_model(self, found: str) -> None:
+        """Raise `NonFiniteModelError` if a weight (the model's or a method's) or the model's output on the last
+        training batch is not finite, on any process (every process must call it). The loss check cannot see this:
+        it reads the loss before the update. Reads the device once: a host sync."""
+        model = self.unwrapped_model()
+        names, flags = finite_flags(model, self.methods)
+        outputs = self._outputs_on_last_batch(model)
+        names += [f"output {name} on the last training batch" for name in outputs]
+        flags += [torch.isfinite(value).all() for value in outputs.values()]
+        if not flags:
+            return
+        flags = torch.stack([flag.to(self.args.device) for flag in flags]).to(torch.uint8)
+        if self.args.world_size > 1:
+            flags = self.accelerator.gather(flags.unsqueeze(0)).amin(dim=0)
+        bad = [name for name, ok in zip(names, flags.tolist(), strict=True) if not ok]
+        if not bad:
+            return
+        shown = ", ".join(bad[:SHOWN_NAMES]) + (f", ... ({len(bad)} in all)" if len(bad) > SHOWN_NAMES else "")
+        raise NonFiniteModelError(
+            f"Non-finite model at {self._where(self.state.global_step)}: {shown} hold NaN or infinite values, "
+            f"although the loss was finite (an update overflowed; found {found}). Nothing of it was saved. Lower "
+            "training.learning_rate (or set training.max_grad_norm) and resume: resume_from_checkpoint=auto "
+            "'resume_allow_changes=[training.learning_rate]'"
+        )
+
+    @torch.no_grad()
+    def _outputs_on_last_batch(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The model's outputs (towers' features, or a pair batch's learner outputs) on the last micro-batch trained
+        on, in eval mode under the run's autocast; empty when no step ran."""
+        if self._last_batch is None:
+            return {}
+        was_training = model.training
+        model.eval()
+        try:
+            with self.compute_loss_context_manager():
+                outputs = model(**self._last_batch, features_only=True)
+        finally:
+            model.train(was_training)
+        return {name: value for name, value in outputs.items()
+                if isinstance(value, torch.Tensor) and value.is_floating_point()}
+
+    def _where(self, step: int) -> str:
+        """Where a non-finite value was found: the task, the step and the last good checkpoint."""
         where = f"step {step}"
         if self.context is not None:
             where = f"task {self.context.task_index} ({self.context.task.name!r}), {where}"
             last = self.context.last_checkpoint
             where += f"; the last good checkpoint is kept at {last}" if last else "; no checkpoint was written yet"
+        return where
+
+    def _non_finite_error(self, step: int, values: dict[str, float] | None, found: str) -> NonFiniteLossError:
+        where = self._where(step)
         terms = "recorded on another process" if values is None else ", ".join(
             f"{name}={value:.4g}" for name, value in values.items())
         return NonFiniteLossError(
@@ -378,8 +448,10 @@ class ContinualTrainer(Trainer):
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """The Trainer's checkpoint, then (once every process has written its files) its manifest, written last:
         a checkpoint without one was cut short and is skipped on resume (`hf_ccl.checkpoint_files`). A model that
-        trained on a non-finite loss is never saved: `NonFiniteLossError` instead."""
+        trained on a non-finite loss, or whose weights or outputs are not finite, is never saved:
+        `NonFiniteLossError` / `NonFiniteModelError` instead."""
         self._raise_if_non_finite(f"before saving {PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        self._raise_if_non_finite_model(f"before saving {PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         super()._save_checkpoint(model, trial)
         self.accelerator.wait_for_everyone()
         folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
@@ -426,6 +498,23 @@ class ContinualTrainer(Trainer):
             self._metric_sums.clear()
             self._term_count = 0
         super().log(logs, start_time)
+
+
+def finite_flags(
+    model: torch.nn.Module, methods: Sequence[ContinualMethod] = ()
+) -> tuple[list[str], list[torch.Tensor]]:
+    """The names of the model's floating-point parameters and the methods' own, and per parameter a device flag:
+    whether it is finite (a sharded parameter: this process's shard). Nothing is read back here."""
+    named = [*model.named_parameters(), *((f"{method.name}/{index}", parameter) for method in methods
+                                          for index, parameter in enumerate(method.optimizer_parameters()))]
+    names, flags = [], []
+    for name, parameter in named:
+        if not parameter.is_floating_point():
+            continue
+        local = parameter.to_local() if hasattr(parameter, "to_local") else parameter  # a DTensor's shard
+        names.append(f"weight {name}")
+        flags.append(torch.isfinite(local.detach()).all())
+    return names, flags
 
 
 def _metric_value(value: Any, key: str) -> torch.Tensor | float:

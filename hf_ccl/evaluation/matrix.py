@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +15,7 @@ import numpy as np
 
 from ..compute import TaskCompute, cost_table, cost_totals
 from ..files import write_text_atomic
+from .checks import NotEvaluatedWarning
 from .continual_metrics import summarize
 
 INITIAL_LABEL = "initial"
@@ -188,7 +190,9 @@ class ResultsMatrix:
 
         With k trained rows and k < T tasks, the derived metrics use the square top-left k x k block (the first k
         tasks, as if the stream had stopped there) and the first k initial scores; unseen tasks are left out.
-        A row that was not evaluated (`eval_every`) is NaN: every metric that reads one of its cells is NaN (null).
+        A row that was not evaluated (`eval_every`) is NaN: every metric that reads one of its cells is NaN (null),
+        without a `NotEvaluatedWarning` (the matrix records which rows were not evaluated). The cells are percentages
+        (`scale="percent"`: a weak model's scores may all be below 1).
         """
         k = min(self.num_trained, self.num_tasks)
         if k == 0:
@@ -196,8 +200,10 @@ class ResultsMatrix:
         initial = self.initial_headline()
         sizes = self.eval_sizes()
         class_incremental = sizes is not None and all(m == "seen_accuracy" for m in self.headline_metrics[:k])
-        return summarize(self.headline()[:k, :k], None if initial is None else initial[:k],
-                         sizes[:k] if class_incremental else None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", NotEvaluatedWarning)
+            return summarize(self.headline()[:k, :k], None if initial is None else initial[:k],
+                             sizes[:k] if class_incremental else None, scale="percent")
 
     def eval_sizes(self) -> list[int] | None:
         """Eval examples each task was scored on (from the recorded protocol), None when not recorded."""
