@@ -466,6 +466,35 @@ class ContinualTrainer(Trainer):
             write_manifest(checkpoint_folder)
         super()._push_from_checkpoint(checkpoint_folder)
 
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """The interrupted task's optimizer and schedule state (moments, step), with this run's hyperparameters:
+        torch's `load_state_dict` would restore the saved groups' learning rate, weight decay and betas, so a change
+        a resume allowed (`resume_allow_changes=[training.learning_rate]`) would do nothing until the next task.
+        The schedule keeps its position; its base rates become this run's."""
+        fresh = [{key: value for key, value in group.items() if key != "params"}
+                 for group in self.optimizer.param_groups] if self.optimizer is not None else []
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None or not fresh:
+            return
+        changed = False
+        for group, values in zip(self.optimizer.param_groups, fresh, strict=True):
+            for key, value in values.items():
+                if key != "lr" and group.get(key) != value:
+                    group[key], changed = value, True
+        scheduler = self.lr_scheduler
+        if not changed or scheduler is None:
+            return
+        bases = [group["initial_lr"] for group in self.optimizer.param_groups]
+        if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+            scheduler.base_lrs = list(bases)
+            for group, base, factor in zip(self.optimizer.param_groups, bases, scheduler.lr_lambdas, strict=True):
+                group["lr"] = base * factor(scheduler.last_epoch)
+            scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        elif list(getattr(scheduler, "base_lrs", bases)) != bases:
+            raise ValueError(f"The interrupted task's schedule ({type(scheduler).__name__}) cannot take another "
+                             "learning rate mid-task: resume with the saved training.learning_rate, or from the "
+                             "task's start (remove its Trainer checkpoints)")
+
     def _load_rng_state(self, checkpoint: str | None) -> None:
         super()._load_rng_state(checkpoint)
         if checkpoint is None:

@@ -259,6 +259,25 @@ def test_an_allowed_change_is_recorded(stopped):
             {"after_task": 2, "key": "training.learning_rate", "saved": 0.001, "now": 0.002}]
 
 
+def test_an_allowed_learning_rate_change_applies_inside_the_interrupted_task(finished, kept, tmp_path):
+    """Stopped mid-task 3 (its Trainer checkpoint-1 kept), resumed with another learning rate: the rest of task 3
+    trains with it (the saved optimizer and schedule keep their state, not their old rate)."""
+    import torch
+
+    output_dir = tmp_path / "run"
+    shutil.copytree(finished, output_dir)
+    for index in (3, 4):
+        shutil.rmtree(output_dir / f"task-{index}")
+    shutil.copytree(kept / "trainer" / "task-3" / "checkpoint-1", output_dir / "trainer" / "task-3" / "checkpoint-1")
+    assert train(output_dir, "resume_from_checkpoint=true", "training.save_strategy=steps", "training.save_steps=1",
+                 "keep_trainer_checkpoints=true", "training.learning_rate=0.002",
+                 "resume_allow_changes=[training.learning_rate]") == 0
+    scheduler = torch.load(output_dir / "trainer" / "task-3" / "checkpoint-2" / "scheduler.pt", weights_only=True)
+    assert scheduler["base_lrs"] and all(rate == 0.002 for rate in scheduler["base_lrs"])
+    optimizer = torch.load(output_dir / "trainer" / "task-3" / "checkpoint-2" / "optimizer.pt", weights_only=True)
+    assert all(group["initial_lr"] == 0.002 for group in optimizer["param_groups"])
+
+
 def test_settings_diff_flattens_and_allows_by_pattern():
     saved = {"seed": 0, "training": {"learning_rate": 1e-3}, "method_args": {"er": {"buffer_size": 5}}}
     now = {"seed": 0, "training": {"learning_rate": 2e-3, "max_steps": 4}, "method_args": {"er": {"buffer_size": 7}}}
