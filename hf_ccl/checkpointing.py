@@ -238,7 +238,8 @@ def check_settings(learner: ContinualLearner, saved: dict[str, Any], source: Pat
     for key, old, new in changes:
         if (key, json.dumps(new)) not in recorded:
             learner.resume_changes.append({"after_task": after_task, "key": key, "saved": old, "now": new})
-            logger.warning("Resuming after task %d with %s changed: %r -> %r (allowed)", after_task, key, old, new)
+            where = f"after task {after_task}" if after_task >= 0 else "in task 0 (from its Trainer checkpoint)"
+            logger.warning("Resuming %s with %s changed: %r -> %r (allowed)", where, key, old, new)
 
 
 # ----- writing -----------------------------------------------------------------------------------------------------
