@@ -186,6 +186,10 @@ BAD_INPUTS: list[tuple[str, list[str], str]] = [
     ("a token as training.run_name", [f"training.run_name={FAKE_TOKEN}"], "training.run_name"),
     ("a token as model.pretrained", [f"model.pretrained={FAKE_TOKEN}", "model.config={}"], "model.pretrained"),
     ("a token as a method option's name", [f"method_args.er.{FAKE_TOKEN}=1"], "method_args.er"),
+    ("10^5 MoE experts", ["methods=[moe_adapters]", "method_args.moe_adapters.num_experts=100000"], "num_experts"),
+    ("MoE bottleneck 10^5", ["methods=[moe_adapters]", "method_args.moe_adapters.bottleneck=100000"], "bottleneck"),
+    ("LoRA rank 10^6", ["methods=[lora]", "method_args.lora.r=1000000"], "r <= "),
+    ("LoRA rank above the layers' rank", ["methods=[lora]", "method_args.lora.r=33"], "r <= "),
     ("push without a repository", ["training.push_to_hub=true"], "push_to_hub"),
     ("bad Hub repository id", ["hub_model_id=not a repo"], "hub_model_id"),
 ]
@@ -249,6 +253,48 @@ def config_file_cases() -> list[Case]:
             Case("bad input", "read-only output disk", "output_dir on a read-only tmpfs", read_only_disk),
             Case("bad input", "YAML syntax error", "an unclosed list", broken),
             Case("bad input", "output_dir is a file", "output_dir=<a file>", output_is_a_file)]
+
+
+def python_case(group: str, name: str, fault: str, code: str, names: str, expect: str = "error") -> Case:
+    """A fault met through the Python API (`code` run in a fresh process): an exception whose last line names
+    `names` is a clear error; `expect="ok"`: the code must end with exit 0 (its asserts hold)."""
+
+    def run(tmp: Path) -> Outcome:
+        done = subprocess.run([sys.executable, "-c", code], cwd=tmp, env=environment({"HF_HUB_OFFLINE": "1"}),
+                              capture_output=True, text=True, timeout=600)
+        ran = Ran(done.returncode, done.stdout, done.stderr)
+        if expect == "ok":
+            return Outcome("recovered", "0", ran.out.strip()[-150:] or "as expected") if ran.code == 0 else \
+                Outcome("SILENT WRONG RESULT", exit_text(ran.code), ran.message)
+        if ran.code == 0:
+            return Outcome("SILENT WRONG RESULT", "0", "no error: " + ran.out.strip()[-150:])
+        clear = names in ran.message
+        return Outcome("clear error" if clear else "UNCLEAR ERROR", exit_text(ran.code), ran.message)
+
+    return Case(group, name, fault, run)
+
+
+_METRIC = "import math, numpy as np, hf_ccl.metrics as m; "
+PYTHON_CASES = [
+    python_case("metrics", "NaN image embedding in zero_shot_accuracy", "one NaN row of 4",
+                "import torch; from hf_ccl.evaluation import zero_shot_accuracy as z; e = torch.eye(4); e[2] = float('nan'); "
+                "print(z(e, torch.eye(4), torch.arange(4)))", "row 2"),
+    python_case("metrics", "NaN image embedding in the evaluate module", "one NaN row of 4, evaluate.load",
+                "import torch, hf_ccl.metrics as m; e = torch.eye(4); e[2] = float('nan'); "
+                "print(m.load('zero_shot_accuracy').compute(image_embeds=e, class_embeds=torch.eye(4), "
+                "labels=torch.arange(4)))", "row 2"),
+    python_case("metrics", "an infinite cell", "R[1][0] = -inf in the forgetting module",
+                _METRIC + "print(m.load('forgetting').compute(matrix=[[50.0, 10.0], [-math.inf, 60.0]]))", "R[1, 0]"),
+    python_case("metrics", "a score above 100", "R[1][1] = 130 in final_average",
+                "from hf_ccl.evaluation.continual_metrics import final_average; "
+                "print(final_average([[50.0, 10.0], [40.0, 130.0]]))", "130"),
+    python_case("metrics", "scores as fractions", "a 0-1 matrix given to the mtil module",
+                _METRIC + "print(m.load('mtil').compute(matrix=[[0.5, 0.1], [0.4, 0.6]], initial=[0.1, 0.1]))",
+                "fraction"),
+    python_case("metrics", "the tic module's name", "evaluate.load(path('tic')).name",
+                "import evaluate, hf_ccl.metrics as m; names = [evaluate.load(m.path(n)).name for n in m.METRIC_MODULES]; "
+                "assert names == list(m.METRIC_MODULES), names; print('every module loads by its name')", "", "ok"),
+]
 
 
 class Faults:
@@ -402,6 +448,19 @@ class Faults:
         if not any(".labels." in key for key in recorded) or not any(key in card for key in recorded):
             return Outcome("SILENT WRONG RESULT", "0", f"the change is not recorded (resume_changes: {recorded})")
         return Outcome("recovered", "0", "resumed; the label change is recorded in continual_state.json and the card")
+
+    def diverged_then_sane(self, tmp: Path) -> Outcome:
+        """The last update of task 0 overflows (lr 1e30): an error naming the step, nothing of the bad weights saved;
+        a resume with a sane learning rate ends as the uninterrupted run."""
+        output_dir = tmp / "run"
+        first = cli(output_dir, "training.learning_rate=1e30")
+        if first.code == 0:
+            return Outcome("SILENT WRONG RESULT", "0", "a diverging run exited 0")
+        if "step" not in first.message or list(output_dir.glob("task-*")):
+            return Outcome("UNCLEAR ERROR", exit_text(first.code), first.message)
+        ran = cli(output_dir, "resume_from_checkpoint=auto", "resume_allow_changes=[training.learning_rate]",
+                  "training.learning_rate=0.001")
+        return self.judge.resumed(ran, output_dir, exit_text(first.code))
 
     def refused_before_training(self, overrides: tuple[str, ...], names: str) -> Callable[[Path], Outcome]:
         """A run that cannot train as asked, known from the stream: an error before any task trains."""
@@ -722,10 +781,12 @@ def build_cases(faults: Faults) -> list[Case]:
              k.allowed_label_change),
         Case("interruption", "SIGTERM in the first task", "SIGTERM at step 3 (after a Trainer checkpoint), resume",
              k.sigterm_first_task),
+        Case("late failure", "a diverging last update", "training.learning_rate=1e30, then resume with 0.001",
+             k.diverged_then_sane),
         Case("late failure", "weight ensemble longer than a task", "methods=[zscl] (ensemble_every 100, 4 steps)",
              k.refused_before_training(("methods=[zscl]",), "ensemble_every")),
         Case("late failure", "one-step task with a fractional warmup", "training.max_steps=1 (warmup 0.1)",
-             k.refused_before_training(("training.max_steps=1", "training.save_strategy=no"), "warmup_steps")),
+             k.refused_before_training(("training.max_steps=1", "training.save_strategy='no'"), "warmup_steps")),
         Case("hub", "every push fails", "HTTP 500 on every write", k.hub({"fail_every": 1}, "failed")),
         Case("hub", "flaky Hub", "HTTP 500 on every 3rd write (retried)", k.hub({"fail_every": 3}, "pushed")),
         Case("hub", "reply lost after a commit", "every 4th write committed, then the connection dropped",
@@ -736,7 +797,7 @@ def build_cases(faults: Faults) -> list[Case]:
         Case("hub", "damaged download", "a pushed blob's bytes changed on the server, resume from the Hub",
              k.hub_download_damaged),
     ]
-    return cases
+    return cases + PYTHON_CASES
 
 
 def main() -> None:
