@@ -258,3 +258,27 @@ def test_method_state_errors_name_the_file_and_the_tensor(reference, tmp_path):
     (folder / "method_state.safetensors").unlink()
     with pytest.raises(ValueError, match=r"Method state file .*method_state.safetensors is missing \(.*refers to"):
         load_method_states(build_methods(["si"]), folder)
+
+
+def test_every_family_grows_its_context_and_a_fresh_model_reloads_it(tmp_path):
+    """`resize_position_embeddings` on each family's own position table (CLIP-style `position_embedding`, BERT and
+    RoBERTa `position_embeddings` with their buffers and padding offset); `load_model_weights` regrows a fresh model
+    to the saved table and reads every weight back."""
+    import torch
+
+    from hf_ccl.checkpointing import load_model_weights
+    from hf_ccl.families import FAMILIES, tiny_config
+    from hf_ccl.tokenization import resize_position_embeddings
+
+    for family, cls in FAMILIES.items():
+        model = cls(tiny_config(family, hidden_size=32, num_layers=1, projection_dim=32)).eval()
+        resize_position_embeddings(model, 100, init="normal")
+        ids = torch.randint(3, 400, (2, 100))
+        with torch.no_grad():
+            features = model.get_text_features(input_ids=ids, attention_mask=torch.ones_like(ids)).pooler_output
+        assert model.max_text_positions == 100 and torch.isfinite(features).all(), family
+        model.save_pretrained(tmp_path / family)
+        fresh = cls(tiny_config(family, hidden_size=32, num_layers=1, projection_dim=32))
+        load_model_weights(fresh, tmp_path / family)
+        assert fresh.max_text_positions == 100, family
+        assert all(torch.equal(fresh.state_dict()[key], value) for key, value in model.state_dict().items()), family
