@@ -154,8 +154,8 @@ def check_same_architecture(config: PretrainedConfig, folder: Path) -> None:
     context may differ: a checkpoint grown by `grow_vocab` regrows the model as it loads."""
     saved, now = _read_json(folder / "config.json"), config.to_dict()
     if saved.get("model_type") != now.get("model_type"):
-        raise ConfigError(f"{folder} holds a {saved.get('model_type')!r} model, but this run builds a "
-                          f"{now.get('model_type')!r} one: resume with the family the run started with "
+        raise ConfigError(f"{folder} holds a model of family {saved.get('model_type')!r}, but this run builds one of "
+                          f"family {now.get('model_type')!r}: resume with the family the run started with "
                           f"(model.family={saved.get('model_type')}), or start afresh in another output_dir",
                           "model.family")
     changed = []

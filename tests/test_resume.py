@@ -182,8 +182,8 @@ def test_an_altclip_context_grows_and_loads_in_plain_transformers(grown_altclip)
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["model.family=siglip", "model.config.projection_dim=32"],
-     "holds a 'altclip' model, but this run builds a 'siglip' one: resume with the family the run started with "
-     "(model.family=altclip)"),
+     "holds a model of family 'altclip', but this run builds one of family 'siglip': resume with the family the run "
+     "started with (model.family=altclip)"),
     (["model.family=altclip", "model.config.num_heads=4"],
      "holds a model of another size than this run builds (saved -> now: text_config.num_attention_heads 2 -> 4"),
 ])
