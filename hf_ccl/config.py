@@ -1,4 +1,4 @@
-"""Run configuration: one YAML file (read with a safe loader) plus command-line overrides `key.sub=value`."""
+"""Run configuration: one YAML file (read with a safe loader, aliases bounded: `hf_ccl.safe_yaml`) plus command-line overrides `key.sub=value`."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from .continual import ContinualArguments
 from .families import FAMILIES, family_of
 from .files import write_text_atomic
 from .modeling import tiny_clip_config
+from .safe_yaml import YAMLSizeError, load_yaml
 from .validation import (
     ConfigError,
     check_dataclass,
@@ -205,7 +206,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not sep or not key:
         raise ConfigError(f"Override {text!r} is not of the form key=value (e.g. training.num_train_epochs=2)")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else None
+        parsed = load_yaml(value, f"Override of {key}") if value.strip() else None
+    except YAMLSizeError as error:
+        raise ConfigError(str(error), key) from None
     except yaml.YAMLError as error:
         raise ConfigError(f"Override of {key}: the value is not valid YAML ({error.__class__.__name__}); quote "
                           "it, e.g. key='value'") from error
@@ -280,7 +283,9 @@ def read_yaml(path: Path) -> dict[str, Any]:
     """A YAML config file as a mapping (an error naming the file otherwise)."""
     try:
         with open(path, encoding="utf-8") as handle:
-            values = yaml.safe_load(handle) or {}
+            values = load_yaml(handle, str(path)) or {}
+    except YAMLSizeError as error:
+        raise ConfigError(str(error)) from None
     except yaml.YAMLError as error:
         raise ConfigError(f"{path} is not valid YAML: {error}") from error
     except (OSError, UnicodeDecodeError) as error:

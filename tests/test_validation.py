@@ -370,3 +370,29 @@ def test_errors_of_checks_made_after_loading_name_where_the_value_was_given(tmp_
     assert f"method_args.joint: max_examples must be >= 1 or null, got 0 (in {path})" in err
     err = _refused(tmp_path, capsys, "methods=[joint, er]", config=str(path))
     assert f"(in {path} or the overrides)" in err
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["methods=[grow_vocab]", "method_args.grow_vocab.vocab_size=1000000000"],
+     "method_args.grow_vocab: vocab_size must be in [257, 1048576] (more than the 256-byte alphabet; at most 4x"),
+    (["methods=[grow_vocab]", "method_args.grow_vocab.context_length=1000000000"],
+     "method_args.grow_vocab: context_length must be in [2, 8192]"),
+    (["methods=[ctp]", "method_args.ctp.queue_size=1000000000"], "method_args.ctp: queue_size must be in [0, 1048576]"),
+    (["methods=[prompt]", "method_args.prompt.n_ctx=1000000000"], "method_args.prompt: n_ctx must be in [0, 8189]"),
+])
+def test_absurd_sizes_are_refused_before_anything_is_built(tmp_path, capsys, overrides, message):
+    """Sizes that would allocate beyond any machine (10^9 BPE tokens aborted the process in the tokenizers trainer;
+    a 10^9-row queue, position table or prompt raised a torch allocation error after the run had started)."""
+    assert message in _refused(tmp_path, capsys, *overrides)
+
+
+def test_a_prompt_longer_than_the_model_context_is_named_before_it_is_built(tmp_path, capsys):
+    """n_ctx within the bound but beyond this model's 77 positions: one line naming the option and the most it can
+    be, at the first task's start (before the prompt is allocated), not a failure inside the text tower."""
+    code = main(["train", "--config", "digits", f"output_dir={tmp_path / 'run'}", "progress=false",
+                 "evaluate_initial=false", "methods=[prompt]", "method_args.prompt.n_ctx=80",
+                 "model.config.hidden_size=32", "model.config.num_layers=1", "stream_args.max_train_per_task=8",
+                 "stream_args.max_eval_per_task=4"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 1 and err == ("hf-ccl: error: method_args.prompt.n_ctx=80 leaves no room for the text in the "
+                                 "model's 77 text positions (BOS, EOS and one token need 3): set it to at most 74")

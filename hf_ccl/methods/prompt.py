@@ -43,6 +43,8 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
+from ..tokenization import MAX_CONTEXT_LENGTH
+from ..validation import ConfigError
 from .base import ContinualMethod, MethodConfig, TaskContext
 from .loading import CheckpointLoader, checkpoint_folder
 from .registry import register_method
@@ -162,8 +164,10 @@ class PromptConfig(MethodConfig):
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"prompt schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}")
-        if self.n_ctx < 0:
-            raise ValueError(f"n_ctx must be >= 0, got {self.n_ctx}")
+        if not 0 <= self.n_ctx <= MAX_CONTEXT_LENGTH - 3:
+            raise ConfigError(f"n_ctx must be in [0, {MAX_CONTEXT_LENGTH - 3}] (the context vectors, BOS, EOS and a "
+                              f"token must fit the longest text context, {MAX_CONTEXT_LENGTH}), got {self.n_ctx}",
+                              "n_ctx")
         if not (self.init_std >= 0 and math.isfinite(self.init_std)):
             raise ValueError(f"init_std must be a finite number >= 0, got {self.init_std}")
 
@@ -223,6 +227,10 @@ class PromptLearning(ContinualMethod):
     # ----- hooks -------------------------------------------------------------------------------------------
     def on_task_start(self, context: TaskContext) -> None:
         model = context.model
+        if not self.config.ctx_init and self.config.n_ctx + 3 > model.max_text_positions:
+            raise ValueError(f"method_args.prompt.n_ctx={self.config.n_ctx} leaves no room for the text in the "
+                             f"model's {model.max_text_positions} text positions (BOS, EOS and one token need 3): "
+                             f"set it to at most {model.max_text_positions - 3}")
         model.text_prompt = None
         self._flags = requires_grad_flags(model)
         ctx = self.initial_context(context)
