@@ -319,7 +319,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def where_given(key: str | None, source: Path | None, overrides: list[str]) -> str:
     """Where the value of a dotted `key` came from: "in the overrides", "in <file>", or both when unknown."""
     overridden = [".".join(parse_override(text)[0]) for text in overrides]
-    if key is not None and any(key == o or key.startswith((o + ".", o + "[")) for o in overridden):
+    if key is not None and any(key == o or key.startswith((o + ".", o + "[")) or o.startswith(key + ".")
+                               for o in overridden):
         return "in the overrides"
     if key is not None or not overrides:
         return f"in {source}" if source else "in the defaults"

@@ -14,6 +14,7 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from transformers import AutoImageProcessor, PreTrainedTokenizerBase
 
+from .checkpointing import CHECKPOINT_STATE, check_same_architecture, latest_task_checkpoint
 from .compute import compute_summary
 from .config import RunConfig, save_config
 from .continual import ContinualArguments, ContinualLearner
@@ -34,7 +35,7 @@ from .families import (
 )
 from .hub import PushFailedError
 from .methods import ContinualMethod, build_methods, check_methods
-from .methods.sizes import check_method_sizes
+from .methods.sizes import check_method_sizes, check_model_memory, model_skeleton
 from .modeling import ContinualDualEncoder
 from .paths import check_default_tokenizer
 from .run_folder import RunFolderError, RunFolderLock, check_run_folder
@@ -122,8 +123,30 @@ def check_config(config: RunConfig, check_paths: bool = True) -> CheckedRun:
             check_family_methods(family, methods)
         except ValueError as error:
             raise ConfigError(str(error), "methods") from None
-    check_method_sizes(config.model, methods)  # against the model's own sizes (a meta-device skeleton)
+    where = "model.pretrained" if config.model.get("pretrained") else "model.config"
+    try:  # the run's model on the meta device: its sizes, nothing allocated
+        skeleton = model_skeleton(config.model)
+    except (RuntimeError, OverflowError) as error:  # sizes whose tensors overflow even on the meta device
+        raise ConfigError(f"{where} describes a model that cannot be built: {error}", where) from error
+    if skeleton is not None:
+        check_model_memory(skeleton, where)
+        check_method_sizes(config.model, methods, skeleton)
+        if check_paths and is_main_process():
+            check_resumed_model(config, skeleton)
     return CheckedRun(config, args, methods)
+
+
+def check_resumed_model(config: RunConfig, skeleton: torch.nn.Module) -> None:
+    """A resume from a local task checkpoint whose model is of another family or size than the one the config
+    builds: refused now (naming the difference), not when the weights fail to load."""
+    if config.resume_from_checkpoint in (None, False):
+        return
+    request = config.resume_from_checkpoint
+    folder = Path(request) if isinstance(request, str) and request != "auto" else Path(config.output_dir)
+    if not (folder / CHECKPOINT_STATE).is_file():
+        folder = latest_task_checkpoint(folder, warn=False)
+    if folder is not None and (folder / "config.json").is_file():
+        check_same_architecture(skeleton.config, folder)
 
 
 def check_stream(config: RunConfig) -> None:

@@ -128,7 +128,8 @@ def test_restore_takes_a_saved_tokenizer_of_the_same_length_with_other_merges(tm
     stream.tasks = stream.tasks[:1]
 
     def learner(resume: bool) -> ContinualLearner:
-        args = ContinualArguments(output_dir=str(tmp_path), training={"max_steps": 1, "per_device_train_batch_size": 16},
+        args = ContinualArguments(output_dir=str(tmp_path),
+                                  training={"max_steps": 1, "per_device_train_batch_size": 16, "warmup_steps": 0},
                                   progress=False, seed=1, evaluate_initial=False, resume_from_checkpoint=resume or None)
         return ContinualLearner(tiny_clip(seed=1), stream, build_methods(["grow_vocab"]), load_image_processor(32),
                                 load_tokenizer(), args)
@@ -147,7 +148,8 @@ def test_restore_takes_a_saved_tokenizer_of_the_same_length_with_other_merges(tm
 
 # ----- checkpoints that cannot be resumed as they are: one line naming what to fix ---------------------------------
 GROWN_RUN = ["stream={builder: random_split, train: cifar10, n_tasks: 2, label_column: label}", "progress=false",
-             "evaluate_initial=false", "training.max_steps=1", "training.per_device_train_batch_size=8",
+             "evaluate_initial=false", "training.max_steps=1", "training.warmup_steps=0",
+             "training.per_device_train_batch_size=8",
              "stream_args.max_train_per_task=16", "stream_args.max_eval_per_task=8", "model.config.hidden_size=32",
              "model.config.num_layers=1", "methods=[grow_vocab]", "method_args.grow_vocab.vocab_size=300",
              "method_args.grow_vocab.context_length=100", "method_args.grow_vocab.report_captions=0",
@@ -188,14 +190,14 @@ def test_an_altclip_context_grows_and_loads_in_plain_transformers(grown_altclip)
      "holds a model of another size than this run builds (saved -> now: text_config.num_attention_heads 2 -> 4"),
 ])
 def test_resuming_with_another_model_names_the_difference(grown_altclip, tmp_path, capsys, overrides, message):
-    """Compared with the checkpoint's config.json before any weight is read (was: a size-mismatch traceback)."""
+    """Compared with the checkpoint's config.json before the run is built (was: a size-mismatch traceback)."""
     from hf_ccl.cli import main
 
     shutil.copytree(grown_altclip / "task-0", tmp_path / "task-0")
     code = main(["train", "--config", "digits", f"output_dir={tmp_path}", *GROWN_RUN, *overrides,
                  "resume_from_checkpoint=true"])
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert code == 1 and err.startswith(f"hf-ccl: error: {tmp_path / 'task-0'} ") and message in err, err
+    assert code == 2 and err.startswith(f"hf-ccl: error: {tmp_path / 'task-0'} ") and message in err, err
 
 
 def _fresh_altclip():

@@ -102,7 +102,8 @@ def test_logit_scale_is_clamped_after_each_step(tmp_path, clip_tokenizer):
     with torch.no_grad():
         model.logit_scale.fill_(7.0)  # exp(7) = 1097 > 100
     args = ContinualArguments(
-        output_dir=str(tmp_path), training={"max_steps": 1, "per_device_train_batch_size": 16}, progress=False
+        output_dir=str(tmp_path), training={"max_steps": 1, "per_device_train_batch_size": 16, "warmup_steps": 0},
+        progress=False
     )
     learner = ContinualLearner(model, stream, build_methods(["finetune"]), load_image_processor(32), clip_tokenizer, args)
     learner.fit()
@@ -137,7 +138,8 @@ def _fit_nan(tmp_path, clip_tokenizer, method, **training):
     stream = build_stream("digits", max_train_per_task=64, max_eval_per_task=8)
     stream.tasks = stream.tasks[:1]
     args = ContinualArguments(output_dir=str(tmp_path), progress=False, evaluate_initial=False,
-                              training={"per_device_train_batch_size": 16, "max_steps": 6, **training})
+                              training={"per_device_train_batch_size": 16, "max_steps": 6, "warmup_steps": 0,
+                                        **training})
     recorder = _Logs()
     learner = ContinualLearner(tiny_clip(), stream, [*build_methods(["finetune"]), method], load_image_processor(32),
                                clip_tokenizer, args, callbacks=[recorder])
@@ -290,7 +292,7 @@ def test_a_non_finite_model_is_not_scored_by_the_loop(tmp_path, clip_tokenizer):
     model = tiny_clip()
     with torch.no_grad():
         model.visual_projection.weight.fill_(float("nan"))
-    args = ContinualArguments(output_dir=str(tmp_path), progress=False, training={"max_steps": 1})
+    args = ContinualArguments(output_dir=str(tmp_path), progress=False, training={"max_steps": 1, "warmup_steps": 0})
     learner = ContinualLearner(model, stream, build_methods(["finetune"]), load_image_processor(32), clip_tokenizer,
                                args)
     with pytest.raises(NonFiniteEmbeddingError, match=r"Non-finite embeddings of the initial model \(global step 0; "

@@ -10,11 +10,13 @@ change it.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..validation import ConfigError
 from .base import ContinualMethod
 
 
@@ -38,13 +40,38 @@ def model_skeleton(model_section: dict[str, Any]) -> torch.nn.Module | None:
         return family_class(family)(config)
 
 
-def check_method_sizes(model_section: dict[str, Any], methods: list[ContinualMethod]) -> None:
+def check_method_sizes(model_section: dict[str, Any], methods: list[ContinualMethod],
+                       skeleton: torch.nn.Module | None = None) -> None:
     """Every method's `check_model` on the run's model skeleton (nothing when it is not known locally)."""
-    skeleton = model_skeleton(model_section)
+    skeleton = skeleton if skeleton is not None else model_skeleton(model_section)
     if skeleton is None:
         return
     for method in methods:
         method.check_model(skeleton)
+
+
+#: Bytes per parameter of training in float32 with Adam: the weight, its gradient and two moments.
+TRAINING_BYTES_PER_PARAMETER = 16
+
+
+def physical_memory_bytes() -> int | None:
+    """This machine's physical memory (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_model_memory(skeleton: torch.nn.Module, where: str = "model.config") -> None:
+    """Refuse a model whose float32 Adam training state alone (`TRAINING_BYTES_PER_PARAMETER` per parameter) is more
+    than this machine's memory: it could only fail, after the stream was built, with an allocation error."""
+    memory = physical_memory_bytes()
+    needed = parameter_count(skeleton) * TRAINING_BYTES_PER_PARAMETER
+    if memory is not None and needed > memory:
+        raise ConfigError(
+            f"{where} describes a model of {parameter_count(skeleton):,} parameters: training it in float32 with Adam "
+            f"needs at least {needed / 2**30:,.1f} GiB (weights, gradients, two moments), more than this machine's "
+            f"{memory / 2**30:,.1f} GiB; choose smaller sizes", where)
 
 
 def parameter_count(model: torch.nn.Module, skip_prefix: str | None = None) -> int:
