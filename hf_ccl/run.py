@@ -251,12 +251,13 @@ def run(config: RunConfig | CheckedRun) -> ResultsMatrix:
     checked = config if isinstance(config, CheckedRun) else check_config(config)
     config = checked.config
     lock = RunFolderLock(config.output_dir)
+    created = not Path(config.output_dir).exists()
     if is_main_process():  # held from before the run is built until it has reported: no other run slips in
         lock.acquire()
     try:
         return _run_locked(checked, lock)
     finally:
-        lock.release()
+        lock.release(remove_if_alone=created)  # a run that failed before writing anything leaves nothing
 
 
 def _run_locked(checked: CheckedRun, lock: RunFolderLock) -> ResultsMatrix:

@@ -11,6 +11,7 @@ to overwrite them; it then removes exactly those files and says which.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -146,8 +147,18 @@ class RunFolderLock:
         holder = _read_holder(self.path)
         return not holder or holder.get("host") != socket.gethostname() or not _alive(holder.get("pid"))
 
-    def release(self) -> None:
+    def release(self, remove_if_alone: bool = False) -> None:
+        """Release the lock; `remove_if_alone`: also remove the lock file and its folder (still holding the lock)
+        when the folder holds nothing else (a run that failed before writing anything leaves nothing)."""
         if self._handle is None:
+            return
+        folder = self.path.parent
+        if remove_if_alone and [path.name for path in folder.iterdir()] == [LOCK_FILE]:
+            self.path.unlink(missing_ok=True)
+            self._handle.close()
+            self._handle = None
+            with contextlib.suppress(OSError):  # another run made its own lock file there meanwhile
+                folder.rmdir()
             return
         self._handle.seek(0)
         self._handle.truncate()  # an empty lock file: nobody holds it (also for the pid fallback)
