@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
+from .distributed import check_distributed_trainer, launch_defaults
 from .validation import (
     ConfigError,
     check_choice,
@@ -292,8 +293,9 @@ def check_fsdp(training: Mapping[str, Any]) -> None:
 
 def _trial(training: Mapping[str, Any]) -> None:
     """Build the TrainingArguments a task would get (nothing is written) so that transformers' own checks run now."""
-    values = {**LOOP_DEFAULTS, **training, "remove_unused_columns": False, "eval_strategy": "no"}
+    values = {**LOOP_DEFAULTS, **launch_defaults(training), **training, "remove_unused_columns": False,
+              "eval_strategy": "no"}
     try:
-        TrainingArguments(output_dir="unused", **values)
+        check_distributed_trainer(TrainingArguments(output_dir="unused", **values))  # several processes: one DDP run
     except (ValueError, ImportError, OSError) as error:
         raise ConfigError(f"training: {error}") from error
