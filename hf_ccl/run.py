@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from transformers import AutoImageProcessor, PreTrainedTokenizerBase
 
-from .compute import compute_summary
+from .compute import ComputeCallback, compute_summary
 from .config import RunConfig, save_config
 from .continual import ContinualArguments, ContinualLearner
 from .data.builders import check_builder_options
@@ -99,6 +100,8 @@ class CheckedRun:
     config: RunConfig
     args: ContinualArguments
     methods: list[ContinualMethod]
+    #: When the run's start-up began (`time.time()`; `hf-ccl train`: the process's start); None: when `run` is called.
+    started_at: float | None = None
 
 
 def check_config(config: RunConfig, check_paths: bool = True) -> CheckedRun:
@@ -201,7 +204,9 @@ def looks_local(value: str) -> bool:
 
 def run(config: RunConfig | CheckedRun) -> ResultsMatrix:
     """Build stream, model and processors, run the stream with the checked methods and arguments, return the results
-    matrix. A `RunConfig` is checked first (`check_config`); a `CheckedRun` is run as it was checked."""
+    matrix. A `RunConfig` is checked first (`check_config`); a `CheckedRun` is run as it was checked. The run's
+    start-up cost (`hf_ccl.compute.RunPhases`) counts from the `CheckedRun`'s `started_at`, else from this call."""
+    called_at = time.time()
     # everything is checked before the stream is built or anything is written
     checked = config if isinstance(config, CheckedRun) else check_config(config)
     config = checked.config
@@ -209,12 +214,13 @@ def run(config: RunConfig | CheckedRun) -> ResultsMatrix:
     model = load_model(config)
     image_processor, tokenizer = load_processors(config, model)
     learner = ContinualLearner(model, stream, checked.methods, image_processor, tokenizer, checked.args)
+    learner.started_at = checked.started_at if checked.started_at is not None else called_at
     learner.claim_output_dir()  # locked, and not another run's folder, before anything is written there
     if is_main_process():
         save_config(config, Path(config.output_dir) / "run_config.yaml")
     results = learner.fit()
     if learner.compute and is_main_process():
-        print(compute_summary(learner.compute), flush=True)
+        print(compute_summary(learner.compute, learner.task_callbacks.get(ComputeCallback).run), flush=True)
     report = learner.push_report
     if report is not None and is_main_process():
         if report.failed:  # after training and every local checkpoint: the run did not do all it was asked

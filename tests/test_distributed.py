@@ -110,7 +110,8 @@ def _weights(folder: Path) -> torch.Tensor:
     return torch.cat([state[key].double().flatten() for key in sorted(state)])
 
 
-@pytest.mark.multiprocess
+@pytest.mark.slow  # ~60 s on 2 busy cores (a launch of two processes and a one-process run); the default suite's
+@pytest.mark.multiprocess  # launch above checks the same (distributed Trainers, disjoint rows, samples once)
 def test_the_readme_command_on_two_cpu_processes_is_one_run_with_the_global_batch(tmp_path):
     """`accelerate launch --multi_gpu --num_processes 2 recipes/train.py --config digits` (8 rows per process) trains
     as one process with 16 rows per step: the same rows per step, counted once, the same results and weights (up
