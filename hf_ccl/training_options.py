@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
-from .distributed import check_distributed_trainer, launch_defaults
+from .distributed import NotDistributedError, check_distributed_trainer, launch_defaults
 from .validation import (
     ConfigError,
     check_choice,
@@ -297,5 +297,7 @@ def _trial(training: Mapping[str, Any]) -> None:
               "eval_strategy": "no"}
     try:
         check_distributed_trainer(TrainingArguments(output_dir="unused", **values))  # several processes: one DDP run
+    except NotDistributedError as error:
+        raise ConfigError(str(error), "training.use_cpu" if "use_cpu" in training else "training") from error
     except (ValueError, ImportError, OSError) as error:
         raise ConfigError(f"training: {error}") from error

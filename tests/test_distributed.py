@@ -14,10 +14,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from accelerate.data_loader import BatchSamplerShard
 from method_matrix import REPRESENTATIVE
 from safetensors.torch import load_file
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+from transformers import TrainingArguments
 
 from hf_ccl.cli import main
+from hf_ccl.distributed import (
+    NotDistributedError,
+    check_distributed_trainer,
+    check_sharded_loader,
+    launch_defaults,
+)
 from hf_ccl.evaluation.matrix import ResultsMatrix
 from hf_ccl.methods import available_methods
 
@@ -72,7 +81,7 @@ def test_two_processes_match_one(tmp_path, methods):
         assert report["parallel"] == [["distributed", 2], ["distributed", 2]]
         assert report["samples_seen"] == report["task_rows"] == [128, 128]
         refused = report["refused"]
-        assert "each one's Trainer is not part of a distributed run" in refused["use_cpu_false"]
+        assert refused["use_cpu_false"].startswith("2 processes were launched, but each one's Trainer is not part")
         assert "remove training.use_cpu=false" in refused["use_cpu_false"]
         assert "the training data is not split across them" in refused["unsharded_loader"]
     for task, rows in reports[0]["rows_seen"].items():  # disjoint halves of the task's rows, all of them
@@ -97,6 +106,25 @@ def test_two_processes_match_one(tmp_path, methods):
                 problems.append(f"{run}: {method}'s state differs across ranks at {differing[:5]}"
                                 + (f" (known: {known}; fixed? remove it from KNOWN_RANK_DIFFERENCES)" if known else ""))
     assert not problems, "\n".join(problems)
+
+
+def test_processes_that_would_each_train_alone_are_refused(tmp_path, monkeypatch):
+    """The guard, in one process: launched as 2 processes (`WORLD_SIZE`), a one-process Trainer and a DataLoader that
+    does not split the data are refused; accelerate's split loaders pass."""
+    single = TrainingArguments(output_dir=str(tmp_path), report_to=[])  # built before WORLD_SIZE is set
+    data = list(range(8))
+    plain = DataLoader(data, batch_size=2)
+    shard = BatchSamplerShard(BatchSampler(SequentialSampler(data), 2, False), num_processes=2, process_index=0)
+    check_distributed_trainer(single)  # one process: nothing to refuse
+    check_sharded_loader(plain, data)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(NotDistributedError, match="2 processes were launched, but each one's Trainer is not part"):
+        check_distributed_trainer(single)
+    with pytest.raises(NotDistributedError, match="the training data is not split across them"):
+        check_sharded_loader(plain, data)
+    check_sharded_loader(DataLoader(data, batch_sampler=shard), data)
+    assert launch_defaults({}) == ({} if torch.accelerator.is_available() else {"use_cpu": True})
+    assert launch_defaults({"use_cpu": False}) == {}  # the user's own setting stays (and is refused above)
 
 
 TRAIN_SCRIPT = Path(__file__).parents[1] / "recipes" / "train.py"
