@@ -128,6 +128,8 @@ def test_step_meter_counts_rows_and_each_shapes_measured_forward_and_backward():
     restored = StepMeter()
     restored.load_state_dict(json.loads(json.dumps(meter.state_dict())))  # as a mid-task checkpoint keeps it
     assert (restored.samples, restored.macs) == (meter.samples, meter.macs)
+    restored.unmeasured_steps = 2  # steps a resume found no counts for: at the measured steps' mean
+    assert restored.macs == pytest.approx(meter.macs * (1 + 2 / 4))
 
 
 TINY_RUN = ["model.config.hidden_size=32", "model.config.num_layers=1", "stream_args.max_train_per_task=20",
