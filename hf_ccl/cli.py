@@ -194,7 +194,7 @@ def process_start_time() -> float:
     try:
         ticks = int(Path(f"/proc/{os.getpid()}/stat").read_text().rsplit(")", 1)[1].split()[19])
         uptime = float(Path("/proc/uptime").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
+    except (OSError, ValueError, IndexError, AttributeError):  # no /proc (macOS), no os.sysconf (Windows)
         return time.time()
     return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
 

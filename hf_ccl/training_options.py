@@ -292,7 +292,8 @@ def check_fsdp(training: Mapping[str, Any]) -> None:
 
 
 def _trial(training: Mapping[str, Any]) -> None:
-    """Build the TrainingArguments a task would get (nothing is written) so that transformers' own checks run now."""
+    """Build the TrainingArguments a task would get (nothing is written) so that transformers' own checks run now, and
+    the check that launched processes train as one DDP run (`hf_ccl.distributed.check_distributed_trainer`)."""
     values = {**LOOP_DEFAULTS, **launch_defaults(training), **training, "remove_unused_columns": False,
               "eval_strategy": "no"}
     try:
