@@ -190,6 +190,18 @@ BAD_INPUTS: list[tuple[str, list[str], str]] = [
     ("MoE bottleneck 10^5", ["methods=[moe_adapters]", "method_args.moe_adapters.bottleneck=100000"], "bottleneck"),
     ("LoRA rank 10^6", ["methods=[lora]", "method_args.lora.r=1000000"], "r <= "),
     ("LoRA rank above the layers' rank", ["methods=[lora]", "method_args.lora.r=33"], "r <= "),
+    ("grow_vocab with 10^9 tokens", ["methods=[grow_vocab]", "method_args.grow_vocab.vocab_size=1000000000"],
+     "vocab_size"),
+    ("grow_vocab to a 10^9 context", ["methods=[grow_vocab]", "method_args.grow_vocab.context_length=1000000000"],
+     "context_length"),
+    ("a CTP queue of 10^9", ["methods=[ctp]", "method_args.ctp.queue_size=1000000000"], "queue_size"),
+    ("10^9 prompt vectors", ["methods=[prompt]", "method_args.prompt.n_ctx=1000000000"], "n_ctx"),
+    ("a model of 2 * 10^11 parameters", ["model.config.hidden_size=65536"], "model.config"),
+    ("a model whose tensors overflow", ["model.config.hidden_size=1000000000"], "model.config"),
+    ("a YAML alias bomb in an override",
+     ["training.report_to=[&a [x,x,x,x,x,x,x,x,x], &b [*a,*a,*a,*a,*a,*a,*a,*a,*a], &c [*b,*b,*b,*b,*b,*b,*b,*b,*b], "
+      "&d [*c,*c,*c,*c,*c,*c,*c,*c,*c], &e [*d,*d,*d,*d,*d,*d,*d,*d,*d], &f [*e,*e,*e,*e,*e,*e,*e,*e,*e], "
+      "&g [*f,*f,*f,*f,*f,*f,*f,*f,*f], &h [*g,*g,*g,*g,*g,*g,*g,*g,*g], [*h,*h,*h,*h,*h,*h,*h,*h,*h]]"], "report_to"),
     ("push without a repository", ["training.push_to_hub=true"], "push_to_hub"),
     ("bad Hub repository id", ["hub_model_id=not a repo"], "hub_model_id"),
 ]
@@ -248,7 +260,48 @@ def config_file_cases() -> list[Case]:
         finally:
             subprocess.run(["umount", "-l", str(mount)], check=False)
 
+    def alias_bomb_file(tmp: Path) -> Outcome:
+        config = tmp / "bomb.yaml"
+        levels = ["a: &l0 [x, x, x, x, x, x, x, x, x]"]
+        levels += [f"l{n}: &l{n} [{', '.join([f'*l{n - 1}'] * 9)}]" for n in range(1, 9)]
+        config.write_text("stream: digits\nbomb:\n" + "\n".join("  " + line for line in levels) + "\n")
+        ran = cli(tmp / "run", base=["--config", str(config)], timeout=120)
+        return Judge.refused(ran, tmp / "none", "bomb.yaml")
+
+    def bad_data_file(case: str) -> Callable[[Path], Outcome]:
+        def run(tmp: Path) -> Outcome:
+            import numpy as np
+            from datasets import Dataset, Features, Image, Value
+            from PIL import Image as PILImage
+
+            train, evaluation = tmp / f"{case}.parquet", tmp / "eval.parquet"
+            pictures = [PILImage.fromarray(np.full((8, 8, 3), 40 * n, dtype=np.uint8)) for n in range(4)]
+            Dataset.from_dict({"image": pictures, "caption": [f"a photo {n}" for n in range(4)]},
+                              features=Features({"image": Image(), "caption": Value("string")})).to_parquet(evaluation)
+            rows = [{"image": index, "caption": f"a photo {index}"} for index in range(4)]
+            if case == "empty":
+                train.write_bytes(b"")
+            elif case == "no-rows":
+                Dataset.from_list(rows).select([]).to_parquet(train)
+            else:
+                Dataset.from_list(rows).to_parquet(train)
+            config = tmp / "bad-data.yaml"
+            config.write_text(f"stream: {{builder: random_split, train: {train}, eval: {evaluation}, n_tasks: 2, "
+                              "text_column: caption}\n")
+            ran = cli(tmp / "run", base=["--config", str(config), "progress=false"])
+            return Judge.refused(ran, tmp / "run", train.name)
+
+        return run
+
     return [Case("bad input", "missing config file", "--config nope.yaml", missing),
+            Case("bad input", "a YAML alias bomb in a config file", "9 levels of 9 aliases (435M values)",
+                 alias_bomb_file),
+            Case("bad input", "an empty parquet file", "a stream spec whose train file has 0 bytes",
+                 bad_data_file("empty")),
+            Case("bad input", "a parquet file without rows", "a stream spec whose train file has a schema, no rows",
+                 bad_data_file("no-rows")),
+            Case("bad input", "an integer image column", "a stream spec whose image column holds int64",
+                 bad_data_file("int-image")),
             Case("bad input", "newline in a task name", "a stream entry named 'photo\\nart'", newline_task_name),
             Case("bad input", "read-only output disk", "output_dir on a read-only tmpfs", read_only_disk),
             Case("bad input", "YAML syntax error", "an unclosed list", broken),
@@ -448,6 +501,20 @@ class Faults:
         if not any(".labels." in key for key in recorded) or not any(key in card for key in recorded):
             return Outcome("SILENT WRONG RESULT", "0", f"the change is not recorded (resume_changes: {recorded})")
         return Outcome("recovered", "0", "resumed; the label change is recorded in continual_state.json and the card")
+
+    def resumed_with_other_model(self, *overrides: str, names: str) -> Callable[[Path], Outcome]:
+        """A resume whose model is of another family or size than the checkpoint's: refused before it is built."""
+
+        def run(tmp: Path) -> Outcome:
+            output_dir = tmp / "run"
+            shutil.copytree(self.killed_run, output_dir)
+            ran = cli(output_dir, "resume_from_checkpoint=true", *overrides)
+            if ran.code == 0:
+                return Outcome("SILENT WRONG RESULT", "0", "resumed into another model")
+            outcome = Judge.refused(ran, tmp / "none", names)
+            return outcome
+
+        return run
 
     def diverged_then_sane(self, tmp: Path) -> Outcome:
         """The last update of task 0 overflows (lr 1e30): an error naming the step, nothing of the bad weights saved;
@@ -775,6 +842,14 @@ def build_cases(faults: Faults) -> list[Case]:
              k.leftover_of_failed_run),
         Case("folder", "links planted in the run folder", "compute.json, results.json, run_config.yaml -> outside",
              k.planted_link),
+        Case("folder", "resume with another model family", "model.family=siglip",
+             k.resumed_with_other_model("model.family=siglip", "model.config.projection_dim=32", names="family")),
+        Case("folder", "resume with another model size", "model.config.hidden_size=64",
+             k.resumed_with_other_model("model.config.hidden_size=64", "model.config.projection_dim=64",
+                                        names="another size")),
+        Case("damaged", "method tensors and manifest deleted", "method_state.safetensors and the manifest removed, resume",
+             k.damaged(lambda d: (latest_task(d) / "method_state.safetensors").unlink()
+                       or (latest_task(d) / "checkpoint_manifest.json").unlink(), "recovered")),
         Case("folder", "resume with another label space", "stream_args.label_space=all",
              k.changed_on_resume("stream_args.label_space=all", "label_space")),
         Case("folder", "resume with an allowed label-space change", "resume_allow_changes=[stream*]",

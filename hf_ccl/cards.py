@@ -26,7 +26,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from . import __version__
 from .callbacks import StreamControl, StreamState, TaskCallback
-from .compute import TaskCompute, cost_table
+from .compute import cost_table, task_records
 from .evaluation.matrix import DERIVED_DESCRIPTIONS, INITIAL_LABEL, RESULTS_JSON, ResultsMatrix
 
 logger = logging.getLogger(__name__)
@@ -470,7 +470,7 @@ def build_model_card(
         "protocol": _protocol_rows(state.get("evaluation") or []),
         "preprocessing": _preprocessing(folder),
         "samples_seen_text": _samples_seen_text(_samples_seen(folder)),
-        "cost_table": cost_table([TaskCompute(**record) for record in matrix.cost]),
+        "cost_table": cost_table(task_records(matrix.cost), matrix.cost_run),
         "resume_changes": [(change.get("after_task"), _cell(change.get("key")), _value(change.get("saved")),
                             _value(change.get("now"))) for change in state.get("resume_changes") or []],
     }

@@ -96,14 +96,18 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, started_at: float | None = None) -> int:
+    """The `hf-ccl` command. `started_at` (`time.time()`): when the run's start-up cost begins (`hf_ccl.compute`);
+    by default the process's start when the arguments are the command line's (`argv` None), else now."""
+    if started_at is None:
+        started_at = process_start_time() if argv is None else time.time()
     args = _parser().parse_args(argv)
     debug = args.debug or os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
     if args.command == "list":
         return list_main()
     if args.command == "push":
         return _push_command(args.run_dir, args.repo, args.retries, args.timeout, debug)
-    return _train_command(args.config, args.overrides, debug)
+    return _train_command(args.config, args.overrides, debug, started_at)
 
 
 def _push_command(run_dir: str, repo: str, retries: int, timeout: float, debug: bool) -> int:
@@ -168,11 +172,12 @@ def train_main(config_path: str | None, overrides: list[str]) -> int:
     return execute(prepare(config_path, overrides))
 
 
-def _train_command(config_path: str | None, overrides: list[str], debug: bool) -> int:
+def _train_command(config_path: str | None, overrides: list[str], debug: bool, started_at: float) -> int:
     checked = None
     with stop_signals_interrupt():
         try:
             checked = prepare(config_path, overrides)
+            checked.started_at = started_at  # the run's start-up cost counts from here
             return execute(checked)
         except KeyboardInterrupt as error:
             _report_interrupt(error, None if checked is None else checked.config, config_path, overrides, debug)
@@ -187,6 +192,16 @@ def _train_command(config_path: str | None, overrides: list[str], debug: bool) -
                 return EXIT_REFUSED if checked is None else EXIT_FAILED
             _print(_traceback(error))  # a bug: its traceback, always (with tokens redacted)
             return EXIT_FAILED
+
+
+def process_start_time() -> float:
+    """When this process started, in `time.time()` seconds (from /proc on Linux; elsewhere: now)."""
+    try:
+        ticks = int(Path(f"/proc/{os.getpid()}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError, AttributeError):  # no /proc (macOS), no os.sysconf (Windows)
+        return time.time()
+    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
 
 
 @contextmanager

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import shutil
+import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -53,7 +54,7 @@ from .data.reference import ReferenceBatches
 from .data.streaming import column_names, is_empty, is_streaming, whole_batches
 from .data.task import TaskStream
 from .data.workers import dataloader_defaults, training_device_type
-from .distributed import barrier, broadcast_object, is_main_process, world_size
+from .distributed import barrier, broadcast_object, is_main_process, launch_defaults, world_size
 from .evaluation.checks import NonFiniteEmbeddingError
 from .evaluation.matrix import ResultsMatrix
 from .evaluation.schedule import StreamEvaluator, evaluated_after
@@ -405,7 +406,8 @@ class ContinualLearner:
                               f"{replacing[0]} (its terms are the whole loss): use one of them", "classification_loss")
         for method in methods:
             method.check_stream(stream)
-        PartialState()  # joins the process group now when launched distributed (the Trainer would, later)
+        # joins the process group now when launched distributed (the Trainer would, later), on the CPU when it must
+        PartialState(cpu=bool({**launch_defaults(args.training), **args.training}.get("use_cpu")))
         self.callbacks = list(callbacks or [])
         self.modality_encoders = dict(modality_encoders or {})
         self.model = model
@@ -434,6 +436,10 @@ class ContinualLearner:
         self.resume_changes: list[dict[str, Any]] = []  # settings changed on purpose at a resume
         self._lock: RunFolderLock | None = None
         self._owns_lock = False
+        #: When this run's clock started (`time.time()`): the process's start under `hf-ccl train` (`hf_ccl.run.run`),
+        #: else the learner's creation; the start-up cost is from here to the first task (`hf_ccl.compute`).
+        self.started_at = time.time()
+        self.initial_eval_seconds = 0.0  # the evaluation before the first task, in the last fit()
 
     @property
     def compute(self) -> list[TaskCompute]:
@@ -500,8 +506,10 @@ class ContinualLearner:
             if self._lock is not None and self._owns_lock:
                 self._lock.release()
             self._lock = None
+            self.started_at = time.time()  # a later fit()'s start-up starts now
 
     def _fit(self) -> ResultsMatrix:
+        self.initial_eval_seconds = 0.0
         self.stream_logger = StreamLogger(self.args.training.get("report_to"), self.output_dir, self.callbacks)
         self.state, self.control = StreamState(num_tasks=len(self.stream)), StreamControl()
         self.encode_pair_tasks()  # with the model the run starts from: its towers are the frozen encoders
@@ -517,7 +525,9 @@ class ContinualLearner:
                            "results are those of the finished run", resumed)
         elif resumed is None:
             if self.args.evaluate_initial:
+                started = time.perf_counter()
                 self.results.add_row("initial", self.evaluate(trained=0))
+                self.initial_eval_seconds = time.perf_counter() - started
                 self.stream_logger.log_results(self.results, "initial", step=0)
         error: BaseException | None = None
         try:
@@ -677,6 +687,7 @@ class ContinualLearner:
             # none on a CPU; on a GPU, the process's share of the cores (hf_ccl.data.workers)
             **dataloader_defaults(self.args.training, training_device_type(self.args.training)),
             "dataloader_pin_memory": torch.cuda.is_available(),
+            **launch_defaults(self.args.training),  # several processes without a GPU: DDP on the CPU (gloo)
             **self.args.training,
         }
         if context.task_index == 0 and self.args.first_task_epochs is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from huggingface_hub.utils import validate_repo_id
 from transformers import AutoImageProcessor, PreTrainedTokenizerBase
 
 from .checkpointing import CHECKPOINT_STATE, check_same_architecture, latest_task_checkpoint
-from .compute import compute_summary
+from .compute import ComputeCallback, compute_summary
 from .config import RunConfig, save_config
 from .continual import ContinualArguments, ContinualLearner
 from .data.builders import check_builder_options
@@ -104,6 +105,8 @@ class CheckedRun:
     config: RunConfig
     args: ContinualArguments
     methods: list[ContinualMethod]
+    #: When the run's start-up began (`time.time()`; `hf-ccl train`: the process's start); None: when `run` is called.
+    started_at: float | None = None
 
 
 def check_config(config: RunConfig, check_paths: bool = True) -> CheckedRun:
@@ -246,7 +249,9 @@ def looks_local(value: str) -> bool:
 
 def run(config: RunConfig | CheckedRun) -> ResultsMatrix:
     """Build stream, model and processors, run the stream with the checked methods and arguments, return the results
-    matrix. A `RunConfig` is checked first (`check_config`); a `CheckedRun` is run as it was checked."""
+    matrix. A `RunConfig` is checked first (`check_config`); a `CheckedRun` is run as it was checked. The run's
+    start-up cost (`hf_ccl.compute.RunPhases`) counts from the `CheckedRun`'s `started_at`, else from this call."""
+    called_at = time.time()
     # everything is checked before the stream is built or anything is written
     checked = config if isinstance(config, CheckedRun) else check_config(config)
     config = checked.config
@@ -255,23 +260,24 @@ def run(config: RunConfig | CheckedRun) -> ResultsMatrix:
     if is_main_process():  # held from before the run is built until it has reported: no other run slips in
         lock.acquire()
     try:
-        return _run_locked(checked, lock)
+        return _run_locked(checked, lock, called_at)
     finally:
         lock.release(remove_if_alone=created)  # a run that failed before writing anything leaves nothing
 
 
-def _run_locked(checked: CheckedRun, lock: RunFolderLock) -> ResultsMatrix:
+def _run_locked(checked: CheckedRun, lock: RunFolderLock, called_at: float) -> ResultsMatrix:
     config = checked.config
     stream = build_run_stream(config)
     model = load_model(config)
     image_processor, tokenizer = load_processors(config, model)
     learner = ContinualLearner(model, stream, checked.methods, image_processor, tokenizer, checked.args)
+    learner.started_at = checked.started_at if checked.started_at is not None else called_at
     learner.claim_output_dir(lock)  # not another run's folder, before anything is written there
     if is_main_process():
         save_config(config, Path(config.output_dir) / "run_config.yaml")
     results = learner.fit()
     if learner.compute and is_main_process():
-        print(compute_summary(learner.compute), flush=True)
+        print(compute_summary(learner.compute, learner.task_callbacks.get(ComputeCallback).run), flush=True)
     report = learner.push_report
     if report is not None and is_main_process():
         if report.failed:  # after training and every local checkpoint: the run did not do all it was asked

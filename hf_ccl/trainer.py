@@ -21,13 +21,16 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from .accumulation import Batch, accumulated_backward
 from .checkpoint_files import write_manifest
 from .class_prompts import CROSS_ENTROPY_TERM, ClassPrompts, class_prompt_loss
-from .distributed import is_main_process, rank
+from .distributed import check_distributed_trainer, check_sharded_loader, is_main_process, rank
 from .methods.base import ContinualMethod, TaskContext
 from .methods.state import load_method_states, save_method_states
+from .step_meter import StepMeter
 
 CONTRASTIVE_TERM = "contrastive"
 #: Sub-folder of a Trainer checkpoint (`checkpoint-<step>/`) with the methods' and the collator's mid-task state.
 MID_TASK_STATE = "hf_ccl"
+#: Per-process file (`<name><rank>.json`) of a mid-task checkpoint with the task's step counts so far.
+STEP_METER_FILE = "step_meter_rank"
 MAX_LOGIT_SCALE = math.log(100.0)  # OpenAI CLIP clamps exp(logit_scale) at 100; transformers does not
 SHOWN_NAMES = 5  # non-finite weights or outputs named in an error
 
@@ -88,8 +91,9 @@ class MethodHooksCallback(TrainerCallback):
         model = trainer.unwrapped_model()
         if trainer.context is not None:
             trainer.context.global_step = state.global_step
-        for method in trainer.methods:
-            method.pre_optimizer_step(model, trainer.context)
+        with trainer.step_meter.hooks():
+            for method in trainer.methods:
+                method.pre_optimizer_step(model, trainer.context)
         return control
 
     def on_optimizer_step(self, args, state, control, **kwargs):  # noqa: ANN001 (Trainer callback protocol)
@@ -98,8 +102,9 @@ class MethodHooksCallback(TrainerCallback):
         the gradients of the methods' own parameters (the Trainer's `model.zero_grad()` does not reach them).
         Each method's `post_optimizer_step` runs first."""
         model = self.trainer.unwrapped_model()
-        for method in self.trainer.methods:
-            method.post_optimizer_step(model, self.trainer.context)
+        with self.trainer.step_meter.hooks():
+            for method in self.trainer.methods:
+                method.post_optimizer_step(model, self.trainer.context)
         for method in self.trainer.methods:
             for parameter in method.optimizer_parameters():
                 parameter.grad = None
@@ -133,6 +138,7 @@ class ContinualTrainer(Trainer):
     Gradient accumulation is exact for the contrastive loss and every method term (`hf_ccl.accumulation`): the
     micro-batches of one optimizer step are kept until the last one arrives, and the loss is computed once over
     all of them, so `per_device_train_batch_size=32, gradient_accumulation_steps=2` trains as `64 x 1` does.
+    Every micro-batch's rows and every step's MACs are counted (`step_meter`, `hf_ccl.step_meter`).
     Mixed precision (`bf16`/`fp16`) covers the whole loss computation, the methods' teachers and momentum models
     included, not only the model's forward. Methods always see the unwrapped model (no DDP or `torch.compile`
     wrapper, so their parameter names are the model's own).
@@ -151,6 +157,7 @@ class ContinualTrainer(Trainer):
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
+        check_distributed_trainer(self.args)  # several processes are one DDP run, or refused before training
         self.methods = list(methods)
         self.context = context
         # Our loss is a per-batch mean, not normalised by `num_items_in_batch`: let the Trainer scale it for
@@ -163,6 +170,8 @@ class ContinualTrainer(Trainer):
         self._last_batch: Batch | None = None
         self._term_count = 0
         self._pending_chunks: list[Batch] = []  # micro-batches of the optimizer step in progress
+        #: Rows batched and MACs of this process's steps (`hf_ccl.step_meter`; summed over processes by the loop).
+        self.step_meter = StepMeter()
         if self.args.gradient_accumulation_steps > 1 and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
             raise ValueError(
                 "gradient_accumulation_steps > 1 is not supported with DeepSpeed or FSDP: hf_ccl's exact contrastive "
@@ -247,6 +256,12 @@ class ContinualTrainer(Trainer):
             self._last_batch = None  # not kept past the task
         return output
 
+    def get_train_dataloader(self) -> Any:
+        """The Trainer's DataLoader, refused when several processes would all read the same batches."""
+        loader = super().get_train_dataloader()
+        check_sharded_loader(loader, self.train_dataset)
+        return loader
+
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager:
         """The run's autocast (bf16/fp16) around the whole loss: accelerate only wraps the model's own forward, and
         the methods' teachers and momentum models would otherwise run in float32."""
@@ -261,6 +276,7 @@ class ContinualTrainer(Trainer):
         """One micro-batch. Before the last micro-batch of an optimizer step, it is only kept (and 0 is returned);
         the last one runs forward and backward over all of them (`hf_ccl.accumulation`), so the loss and every
         method term see the whole accumulated batch. Returns the loss of that batch."""
+        self.step_meter.batch(inputs)
         if not self.accelerator.gradient_state.sync_gradients:
             self._pending_chunks.append(inputs)
             return torch.zeros((), device=self.args.device)
@@ -272,12 +288,13 @@ class ContinualTrainer(Trainer):
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
-        if len(chunks) == 1:
-            with self.compute_loss_context_manager():
-                loss = self.compute_loss(model, chunks[0])
-            self.accelerator.backward(loss)
-        else:
-            loss = self._accumulated_step(model, chunks)
+        with self.step_meter.step(chunks):
+            if len(chunks) == 1:
+                with self.compute_loss_context_manager():
+                    loss = self.compute_loss(model, chunks[0])
+                self.accelerator.backward(loss)
+            else:
+                loss = self._accumulated_step(model, chunks)
         empty_every = self.args.torch_empty_cache_steps
         if empty_every is not None and self.state.global_step % empty_every == 0:
             clear_device_cache()
@@ -444,6 +461,8 @@ class ContinualTrainer(Trainer):
         if callable(sampler):
             path = folder / f"collator_rank{rank()}.json"
             path.write_text(json.dumps(sampler()), encoding="utf-8")
+        (folder / f"{STEP_METER_FILE}{rank()}.json").write_text(json.dumps(self.step_meter.state_dict()),
+                                                                 encoding="utf-8")
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """The Trainer's checkpoint, then (once every process has written its files) its manifest, written last:
@@ -506,6 +525,7 @@ class ContinualTrainer(Trainer):
                 "written by hf_ccl (or is incomplete): delete it to restart the task from its beginning"
             )
         load_method_states(self.methods, folder)
+        self._load_step_meter(folder)
         path = folder / f"collator_rank{rank()}.json"
         loader = getattr(self.data_collator, "load_state_dict", None)
         if callable(loader) and path.exists():
@@ -513,6 +533,19 @@ class ContinualTrainer(Trainer):
                 loader(json.loads(path.read_text(encoding="utf-8")))
             except (ValueError, KeyError, TypeError) as error:
                 raise ValueError(f"Cannot read the caption sampler state {path}: {error}") from error
+
+    def _load_step_meter(self, folder: Path) -> None:
+        """The counts of the steps before the checkpoint; a checkpoint of an older version has none: its steps are
+        then counted as whole batches at the measured steps' mean MACs (`StepMeter.unmeasured_steps`)."""
+        path = folder / f"{STEP_METER_FILE}{rank()}.json"
+        if not path.exists():
+            self.step_meter.unmeasured_steps = self.state.global_step
+            return
+        try:
+            self.step_meter.load_state_dict(json.loads(path.read_text(encoding="utf-8")))
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ValueError(f"Cannot read the step counts {path} (truncated or corrupt?): {error}; delete the "
+                             "Trainer checkpoint to restart the task from its beginning") from error
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """The Trainer's log, after the non-finite check, with the window's means of the loss terms and metrics

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
+from .distributed import NotDistributedError, check_distributed_trainer, launch_defaults
 from .validation import (
     ConfigError,
     check_choice,
@@ -330,9 +331,13 @@ def check_fsdp(training: Mapping[str, Any]) -> None:
 
 
 def _trial(training: Mapping[str, Any]) -> None:
-    """Build the TrainingArguments a task would get (nothing is written) so that transformers' own checks run now."""
-    values = {**LOOP_DEFAULTS, **training, "remove_unused_columns": False, "eval_strategy": "no"}
+    """Build the TrainingArguments a task would get (nothing is written) so that transformers' own checks run now, and
+    the check that launched processes train as one DDP run (`hf_ccl.distributed.check_distributed_trainer`)."""
+    values = {**LOOP_DEFAULTS, **launch_defaults(training), **training, "remove_unused_columns": False,
+              "eval_strategy": "no"}
     try:
-        TrainingArguments(output_dir="unused", **values)
+        check_distributed_trainer(TrainingArguments(output_dir="unused", **values))  # several processes: one DDP run
+    except NotDistributedError as error:
+        raise ConfigError(str(error), "training.use_cpu" if "use_cpu" in training else "training") from error
     except (ValueError, ImportError, OSError) as error:
         raise ConfigError(f"training: {error}") from error

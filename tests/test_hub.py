@@ -175,8 +175,9 @@ def test_two_processes_push_once_per_revision(local_hub, tmp_path):
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
         "--main_process_port", str(_free_port()), str(SCRIPT), str(tmp_path), "er", "--hub-model-id", REPO,
     ]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    from test_distributed import user_env  # as a user launches: hf_ccl makes the processes one DDP run itself
+
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=user_env())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     payload = json.loads((tmp_path / "final_results.json").read_text())
     assert payload["pushed"] == [0, 1, 2] and payload["failed"] == []

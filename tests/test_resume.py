@@ -74,6 +74,8 @@ def test_resume_mid_task_matches_uninterrupted(reference, tmp_path, methods):
     assert (tmp_path / "trainer" / "task-1" / "checkpoint-3" / "hf_ccl" / "method_state.json").exists()
     _, results = _run(tmp_path, methods, resume=True)
     np.testing.assert_allclose(_matrix(results), _matrix(expected), atol=TOLERANCE)
+    counted = [[(task["samples_seen"], task["macs"]) for task in run.cost] for run in (results, expected)]
+    assert counted[0] == counted[1]  # the resumed task's steps before the stop are counted once, as measured
 
 
 def test_sigkill_mid_task_then_resume_in_a_new_process(reference, tmp_path):

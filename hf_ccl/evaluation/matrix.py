@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..compute import TaskCompute, cost_table, cost_totals
+from ..compute import cost_table, cost_totals, task_records
 from ..files import write_text_atomic
 from .checks import NotEvaluatedWarning
 from .continual_metrics import summarize
@@ -99,6 +99,8 @@ class ResultsMatrix:
         self.rows: list[ResultsRow] = []
         #: What each trained task cost (`hf_ccl.compute.TaskCompute` as dicts), set by the loop.
         self.cost: list[dict[str, Any]] = []
+        #: The run's start-up and initial evaluation (`hf_ccl.compute.RunPhases` as a dict), set by the loop.
+        self.cost_run: dict[str, Any] | None = None
         #: How the rows were evaluated (`eval_every`, `eval_max_examples`, rows per task), set by the loop.
         self.evaluation: dict[str, Any] | None = None
 
@@ -221,7 +223,8 @@ class ResultsMatrix:
             "initial": None if self.initial is None else self.initial.to_dict(),
             "rows": [row.to_dict() for row in self.rows],
             "summary": {name: _json_safe(value) for name, value in self.summary().items()},
-            "cost": {"tasks": self.cost, **cost_totals(self.cost)} if self.cost else None,
+            "cost": {"tasks": self.cost, "run": self.cost_run, **cost_totals(self.cost, self.cost_run)}
+            if self.cost else None,
             "evaluation": self.evaluation,
         }
 
@@ -233,6 +236,7 @@ class ResultsMatrix:
             matrix.initial = ResultsRow.from_dict(data["initial"])
         matrix.rows = [ResultsRow.from_dict(row) for row in data.get("rows", [])]
         matrix.cost = list((data.get("cost") or {}).get("tasks", []))
+        matrix.cost_run = (data.get("cost") or {}).get("run")
         matrix.evaluation = data.get("evaluation")
         return matrix
 
@@ -256,7 +260,7 @@ class ResultsMatrix:
         lines += _headline_table(self)
         lines += ["", "## Derived metrics", ""]
         lines += _derived_table(self)
-        table = cost_table([TaskCompute(**record) for record in self.cost])
+        table = cost_table(task_records(self.cost), self.cost_run)
         if table:
             lines += ["", "## Cost", ""] + table
         return "\n".join(lines) + "\n"

@@ -156,9 +156,6 @@ class ContinualMethod:
 
     name: ClassVar[str] = ""
     config_class: ClassVar[type[MethodConfig]] = MethodConfig
-    #: Forward passes of other models per training example (frozen teachers, momentum encoders), for the MACs
-    #: estimate of `hf_ccl.compute`.
-    extra_forward_passes: ClassVar[float] = 0.0
     #: True when the method's loss terms are the whole loss: `ContinualTrainer` then leaves out the model's own
     #: contrastive loss (CLL-CLIP trains with its cross-lingual and cross-modal terms only).
     replaces_contrastive_loss: ClassVar[bool] = False
@@ -223,11 +220,6 @@ class ContinualMethod:
         The loop batches them with the task's collator (`hf_ccl.data.reference`); `loss_terms` reads the step's batch
         with `context.reference_batch(self)`."""
         return None
-
-    def step_macs(self, model: ContinualDualEncoder, context: TaskContext) -> float:
-        """Multiply-accumulates the method adds to every optimizer step beyond `extra_forward_passes` per example
-        (e.g. its reference batch's passes), for `hf_ccl.compute`; measured at the task's start."""
-        return 0.0
 
     def training_overrides(self, context: TaskContext, training: dict[str, Any]) -> dict[str, Any]:
         """TrainingArguments fields to change for this task, given the ones the loop would use (`training`, which

@@ -142,7 +142,6 @@ class CTP(ContinualMethod):
     preservation against the previous-task model. Loss terms: `cmc`, `topology_cross`, `topology_same`."""
 
     name = "ctp"
-    extra_forward_passes = 2.0  # the momentum model and the previous-task model
     config_class = CTPConfig
     roles = {"previous_model": "builds its momentum model from the previous task's model and preserves its topology"}
     config: CTPConfig
