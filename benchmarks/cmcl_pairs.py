@@ -94,6 +94,7 @@ def train_prior(options, tokenizer, image_processor) -> torch.nn.Module:
                 "learning_rate": 1e-3,
                 "warmup_steps": 0.1,
                 "lr_scheduler_type": "cosine",
+                "weight_decay": 0.0,  # as the committed table ran (before the defaults applied to Python)
             },
         ),
     )

@@ -180,7 +180,28 @@ BAD_INPUTS: list[tuple[str, list[str], str]] = [
     ("a token in the training section", [f"training.hub_token={FAKE_TOKEN}"], "hub_token"),
     ("a token under a mistyped key", [f"hub_tokn={FAKE_TOKEN}"], "hub_tokn"),
     ("unknown top-level key", ["sed=3"], "sed"),
-    ("warmup with a constant schedule", ["training.lr_scheduler_type=constant"], "warmup"),
+    ("warmup with a constant schedule", ["training.lr_scheduler_type=constant", "training.warmup_steps=2"], "warmup"),
+    ("a token as hub_model_id", [f"hub_model_id=someone/{FAKE_TOKEN}"], "hub_model_id"),
+    ("a token as card_license", [f"card_license={FAKE_TOKEN}"], "card_license"),
+    ("a token as training.run_name", [f"training.run_name={FAKE_TOKEN}"], "training.run_name"),
+    ("a token as model.pretrained", [f"model.pretrained={FAKE_TOKEN}", "model.config={}"], "model.pretrained"),
+    ("a token as a method option's name", [f"method_args.er.{FAKE_TOKEN}=1"], "method_args.er"),
+    ("10^5 MoE experts", ["methods=[moe_adapters]", "method_args.moe_adapters.num_experts=100000"], "num_experts"),
+    ("MoE bottleneck 10^5", ["methods=[moe_adapters]", "method_args.moe_adapters.bottleneck=100000"], "bottleneck"),
+    ("LoRA rank 10^6", ["methods=[lora]", "method_args.lora.r=1000000"], "r <= "),
+    ("LoRA rank above the layers' rank", ["methods=[lora]", "method_args.lora.r=33"], "r <= "),
+    ("grow_vocab with 10^9 tokens", ["methods=[grow_vocab]", "method_args.grow_vocab.vocab_size=1000000000"],
+     "vocab_size"),
+    ("grow_vocab to a 10^9 context", ["methods=[grow_vocab]", "method_args.grow_vocab.context_length=1000000000"],
+     "context_length"),
+    ("a CTP queue of 10^9", ["methods=[ctp]", "method_args.ctp.queue_size=1000000000"], "queue_size"),
+    ("10^9 prompt vectors", ["methods=[prompt]", "method_args.prompt.n_ctx=1000000000"], "n_ctx"),
+    ("a model of 2 * 10^11 parameters", ["model.config.hidden_size=65536"], "model.config"),
+    ("a model whose tensors overflow", ["model.config.hidden_size=1000000000"], "model.config"),
+    ("a YAML alias bomb in an override",
+     ["training.report_to=[&a [x,x,x,x,x,x,x,x,x], &b [*a,*a,*a,*a,*a,*a,*a,*a,*a], &c [*b,*b,*b,*b,*b,*b,*b,*b,*b], "
+      "&d [*c,*c,*c,*c,*c,*c,*c,*c,*c], &e [*d,*d,*d,*d,*d,*d,*d,*d,*d], &f [*e,*e,*e,*e,*e,*e,*e,*e,*e], "
+      "&g [*f,*f,*f,*f,*f,*f,*f,*f,*f], &h [*g,*g,*g,*g,*g,*g,*g,*g,*g], [*h,*h,*h,*h,*h,*h,*h,*h,*h]]"], "report_to"),
     ("push without a repository", ["training.push_to_hub=true"], "push_to_hub"),
     ("bad Hub repository id", ["hub_model_id=not a repo"], "hub_model_id"),
 ]
@@ -215,9 +236,118 @@ def config_file_cases() -> list[Case]:
         ran = cli(target)
         return Judge.refused(ran, tmp / "none", "output_dir")
 
+    def newline_task_name(tmp: Path) -> Outcome:
+        config = tmp / "newline.yaml"
+        config.write_text("stream:\n  builder: datasets\n  name: pacs-two\n  entries:\n"
+                          "    - {name: \"photo\\nart\", train: pacs, where: {domain: photo}, label_column: label}\n"
+                          "    - {name: sketch, train: pacs, where: {domain: sketch}, label_column: label}\n"
+                          "stream_args: {max_train_per_task: 32, max_eval_per_task: 10}\n")
+        ran = cli(tmp / "run", base=["--config", str(config), "progress=false", "training.max_steps=2",
+                                     "model.config.hidden_size=32", "model.config.num_layers=1"])
+        return Judge.refused(ran, tmp / "none", "task name")
+
+    def read_only_disk(tmp: Path) -> Outcome:
+        if os.geteuid() != 0:
+            return Outcome("not run", "-", "needs root to mount a read-only tmpfs")
+        mount = tmp / "read-only"
+        mount.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(mount)], check=True)
+        try:
+            ran = cli(mount / "run")
+            if "space" in ran.message.lower():
+                return Outcome("UNCLEAR ERROR", exit_text(ran.code), "called a full disk: " + ran.message)
+            return Judge.refused(ran, tmp / "none", "read-only")
+        finally:
+            subprocess.run(["umount", "-l", str(mount)], check=False)
+
+    def alias_bomb_file(tmp: Path) -> Outcome:
+        config = tmp / "bomb.yaml"
+        levels = ["a: &l0 [x, x, x, x, x, x, x, x, x]"]
+        levels += [f"l{n}: &l{n} [{', '.join([f'*l{n - 1}'] * 9)}]" for n in range(1, 9)]
+        config.write_text("stream: digits\nbomb:\n" + "\n".join("  " + line for line in levels) + "\n")
+        ran = cli(tmp / "run", base=["--config", str(config)], timeout=120)
+        return Judge.refused(ran, tmp / "none", "bomb.yaml")
+
+    def bad_data_file(case: str) -> Callable[[Path], Outcome]:
+        def run(tmp: Path) -> Outcome:
+            import numpy as np
+            from datasets import Dataset, Features, Image, Value
+            from PIL import Image as PILImage
+
+            train, evaluation = tmp / f"{case}.parquet", tmp / "eval.parquet"
+            pictures = [PILImage.fromarray(np.full((8, 8, 3), 40 * n, dtype=np.uint8)) for n in range(4)]
+            Dataset.from_dict({"image": pictures, "caption": [f"a photo {n}" for n in range(4)]},
+                              features=Features({"image": Image(), "caption": Value("string")})).to_parquet(evaluation)
+            rows = [{"image": index, "caption": f"a photo {index}"} for index in range(4)]
+            if case == "empty":
+                train.write_bytes(b"")
+            elif case == "no-rows":
+                Dataset.from_list(rows).select([]).to_parquet(train)
+            else:
+                Dataset.from_list(rows).to_parquet(train)
+            config = tmp / "bad-data.yaml"
+            config.write_text(f"stream: {{builder: random_split, train: {train}, eval: {evaluation}, n_tasks: 2, "
+                              "text_column: caption}\n")
+            ran = cli(tmp / "run", base=["--config", str(config), "progress=false"])
+            return Judge.refused(ran, tmp / "run", train.name)
+
+        return run
+
     return [Case("bad input", "missing config file", "--config nope.yaml", missing),
+            Case("bad input", "a YAML alias bomb in a config file", "9 levels of 9 aliases (435M values)",
+                 alias_bomb_file),
+            Case("bad input", "an empty parquet file", "a stream spec whose train file has 0 bytes",
+                 bad_data_file("empty")),
+            Case("bad input", "a parquet file without rows", "a stream spec whose train file has a schema, no rows",
+                 bad_data_file("no-rows")),
+            Case("bad input", "an integer image column", "a stream spec whose image column holds int64",
+                 bad_data_file("int-image")),
+            Case("bad input", "newline in a task name", "a stream entry named 'photo\\nart'", newline_task_name),
+            Case("bad input", "read-only output disk", "output_dir on a read-only tmpfs", read_only_disk),
             Case("bad input", "YAML syntax error", "an unclosed list", broken),
             Case("bad input", "output_dir is a file", "output_dir=<a file>", output_is_a_file)]
+
+
+def python_case(group: str, name: str, fault: str, code: str, names: str, expect: str = "error") -> Case:
+    """A fault met through the Python API (`code` run in a fresh process): an exception whose last line names
+    `names` is a clear error; `expect="ok"`: the code must end with exit 0 (its asserts hold)."""
+
+    def run(tmp: Path) -> Outcome:
+        done = subprocess.run([sys.executable, "-c", code], cwd=tmp, env=environment({"HF_HUB_OFFLINE": "1"}),
+                              capture_output=True, text=True, timeout=600)
+        ran = Ran(done.returncode, done.stdout, done.stderr)
+        if expect == "ok":
+            return Outcome("recovered", "0", ran.out.strip()[-150:] or "as expected") if ran.code == 0 else \
+                Outcome("SILENT WRONG RESULT", exit_text(ran.code), ran.message)
+        if ran.code == 0:
+            return Outcome("SILENT WRONG RESULT", "0", "no error: " + ran.out.strip()[-150:])
+        clear = names in ran.message
+        return Outcome("clear error" if clear else "UNCLEAR ERROR", exit_text(ran.code), ran.message)
+
+    return Case(group, name, fault, run)
+
+
+_METRIC = "import math, numpy as np, hf_ccl.metrics as m; "
+PYTHON_CASES = [
+    python_case("metrics", "NaN image embedding in zero_shot_accuracy", "one NaN row of 4",
+                "import torch; from hf_ccl.evaluation import zero_shot_accuracy as z; e = torch.eye(4); e[2] = float('nan'); "
+                "print(z(e, torch.eye(4), torch.arange(4)))", "row 2"),
+    python_case("metrics", "NaN image embedding in the evaluate module", "one NaN row of 4, evaluate.load",
+                "import torch, hf_ccl.metrics as m; e = torch.eye(4); e[2] = float('nan'); "
+                "print(m.load('zero_shot_accuracy').compute(image_embeds=e, class_embeds=torch.eye(4), "
+                "labels=torch.arange(4)))", "row 2"),
+    python_case("metrics", "an infinite cell", "R[1][0] = -inf in the forgetting module",
+                _METRIC + "print(m.load('forgetting').compute(matrix=[[50.0, 10.0], [-math.inf, 60.0]]))", "R[1, 0]"),
+    python_case("metrics", "a score above 100", "R[1][1] = 130 in final_average",
+                "from hf_ccl.evaluation.continual_metrics import final_average; "
+                "print(final_average([[50.0, 10.0], [40.0, 130.0]]))", "130"),
+    python_case("metrics", "scores as fractions", "a 0-1 matrix given to the mtil module",
+                _METRIC + "print(m.load('mtil').compute(matrix=[[0.5, 0.1], [0.4, 0.6]], initial=[0.1, 0.1]))",
+                "fraction"),
+    python_case("metrics", "the tic module's name", "evaluate.load(path('tic')).name",
+                "import evaluate, hf_ccl.metrics as m; names = [evaluate.load(m.path(n)).name for n in m.METRIC_MODULES]; "
+                "assert names == list(m.METRIC_MODULES), names; print('every module loads by its name')", "", "ok"),
+]
 
 
 class Faults:
@@ -306,7 +436,112 @@ class Faults:
         ran = cli(output_dir, "seed=1")
         if ran.code == 0:
             return Outcome("SILENT WRONG RESULT", "0", "a new run wrote into another run's folder")
-        return self.judge.error(ran, names="resume")
+        if ran.code != 2:
+            return Outcome("UNCLEAR ERROR", exit_text(ran.code), "not refused before the run was built: " + ran.message)
+        return Outcome("refused before work", "2", ran.message) if "resume" in ran.message else self.judge.error(ran)
+
+    def concurrent_overwrite(self, tmp: Path) -> Outcome:
+        """`overwrite_output_dir=true` while another run trains in the folder: refused; the first run undisturbed."""
+        output_dir = tmp / "run"
+        first = subprocess.Popen([sys.executable, "-m", "hf_ccl.cli", "train", *BASE, f"output_dir={output_dir}"],
+                                 cwd=REPO, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 120
+        while not (output_dir / "run_config.yaml").exists() and time.time() < deadline and first.poll() is None:
+            time.sleep(0.1)
+        second = cli(output_dir, "overwrite_output_dir=true")
+        out, err = first.communicate(timeout=900)
+        if second.code == 0:
+            return Outcome("SILENT WRONG RESULT", f"{first.returncode}/0", "the overwrite ran over a running run")
+        if first.returncode != 0 or rows(output_dir) != self.judge.reference:
+            return Outcome("DATA LOST", f"{first.returncode}/{second.code}", "the first run was disturbed: " +
+                           err[-200:])
+        outcome = Judge.refused(second, tmp / "none", "in use by another run")
+        return Outcome(outcome.outcome, f"first 0; second {outcome.exit}", outcome.seen)
+
+    def leftover_of_failed_run(self, tmp: Path) -> Outcome:
+        """A first run that failed before its first checkpoint left run_config.yaml and an empty trainer/: the
+        rerun (not a resume) starts there."""
+        output_dir = tmp / "run"
+        (output_dir / "trainer" / "task-0").mkdir(parents=True)
+        (output_dir / "run_config.yaml").write_text("seed: 3\n")
+        return self.judge.resumed(cli(output_dir), output_dir)
+
+    def sigterm_first_task(self, tmp: Path) -> Outcome:
+        """SIGTERM in task 0 after its first Trainer checkpoint: the message must point at that checkpoint."""
+        output_dir = tmp / "run"
+        first = cli(output_dir, child="sigterm:3")
+        if first.code != 143 or "resume with" not in first.err:
+            return Outcome("UNCLEAR ERROR", exit_text(first.code), "no way to resume named: " + first.message)
+        return self.judge.resumed(cli(output_dir, "resume_from_checkpoint=true"), output_dir, "143")
+
+    def planted_link(self, tmp: Path) -> Outcome:
+        """compute.json, results.json and run_config.yaml of the run folder replaced by links to a file outside it."""
+        output_dir = tmp / "run"
+        shutil.copytree(self.killed_run, output_dir)
+        outside = tmp / "outside.txt"
+        outside.write_text("keep me")
+        for name in ("compute.json", "results.json", "run_config.yaml"):
+            (output_dir / name).unlink(missing_ok=True)
+            (output_dir / name).symlink_to(outside)
+        outcome = self.judge.resumed(cli(output_dir, "resume_from_checkpoint=true"), output_dir)
+        if outside.read_text() != "keep me":
+            return Outcome("DATA LOST", outcome.exit, "a file outside the run folder was overwritten through a link")
+        return outcome
+
+    def allowed_label_change(self, tmp: Path) -> Outcome:
+        output_dir = tmp / "run"
+        shutil.copytree(self.killed_run, output_dir)
+        ran = cli(output_dir, "resume_from_checkpoint=true", "stream_args.label_space=all",
+                  "resume_allow_changes=[stream*]")
+        if ran.code != 0:
+            return self.judge.error(ran)
+        state = json.loads((latest_task(output_dir) / "continual_state.json").read_text())
+        recorded = [change.get("key") for change in state.get("resume_changes", [])]
+        card = (latest_task(output_dir) / "README.md").read_text()
+        if not any(".labels." in key for key in recorded) or not any(key in card for key in recorded):
+            return Outcome("SILENT WRONG RESULT", "0", f"the change is not recorded (resume_changes: {recorded})")
+        return Outcome("recovered", "0", "resumed; the label change is recorded in continual_state.json and the card")
+
+    def resumed_with_other_model(self, *overrides: str, names: str) -> Callable[[Path], Outcome]:
+        """A resume whose model is of another family or size than the checkpoint's: refused before it is built."""
+
+        def run(tmp: Path) -> Outcome:
+            output_dir = tmp / "run"
+            shutil.copytree(self.killed_run, output_dir)
+            ran = cli(output_dir, "resume_from_checkpoint=true", *overrides)
+            if ran.code == 0:
+                return Outcome("SILENT WRONG RESULT", "0", "resumed into another model")
+            outcome = Judge.refused(ran, tmp / "none", names)
+            return outcome
+
+        return run
+
+    def diverged_then_sane(self, tmp: Path) -> Outcome:
+        """The last update of task 0 overflows (lr 1e30): an error naming the step, nothing of the bad weights saved;
+        a resume with a sane learning rate ends as the uninterrupted run."""
+        output_dir = tmp / "run"
+        first = cli(output_dir, "training.learning_rate=1e30")
+        if first.code == 0:
+            return Outcome("SILENT WRONG RESULT", "0", "a diverging run exited 0")
+        if "step" not in first.message or list(output_dir.glob("task-*")):
+            return Outcome("UNCLEAR ERROR", exit_text(first.code), first.message)
+        ran = cli(output_dir, "resume_from_checkpoint=auto", "resume_allow_changes=[training.learning_rate]",
+                  "training.learning_rate=0.001")
+        return self.judge.resumed(ran, output_dir, exit_text(first.code))
+
+    def refused_before_training(self, overrides: tuple[str, ...], names: str) -> Callable[[Path], Outcome]:
+        """A run that cannot train as asked, known from the stream: an error before any task trains."""
+
+        def run(tmp: Path) -> Outcome:
+            output_dir = tmp / "run"
+            ran = cli(output_dir, *overrides)
+            if ran.code == 0:
+                return Outcome("SILENT WRONG RESULT", "0", "accepted: " + ran.message)
+            if list(output_dir.glob("task-*")) or (output_dir / "trainer").exists():
+                return Outcome("UNCLEAR ERROR", exit_text(ran.code), "refused only after training: " + ran.message)
+            return self.judge.error(ran, names=names)
+
+        return run
 
     def overwrite(self, tmp: Path) -> Outcome:
         output_dir = tmp / "run"
@@ -343,7 +578,13 @@ class Faults:
         if first.code != 0:
             return self.judge.error(first)
         (output_dir / "results.json").unlink()
-        return self.judge.resumed(cli(output_dir, "resume_from_checkpoint=true"), output_dir, "0")
+        again = cli(output_dir, "resume_from_checkpoint=true")
+        outcome = self.judge.resumed(again, output_dir, "0")
+        if outcome.outcome == "recovered" and "nothing to train" not in again.err:
+            return Outcome("SILENT WRONG RESULT", outcome.exit, "the matrix is printed with no word that nothing "
+                           "was trained")
+        return Outcome(outcome.outcome, outcome.exit, outcome.seen + ("; says nothing was trained"
+                                                                       if outcome.outcome == "recovered" else ""))
 
     # --- damaged files ---
     def damaged(self, damage: Callable[[Path], str], expect: str) -> Callable[[Path], Outcome]:
@@ -584,15 +825,54 @@ def build_cases(faults: Faults) -> list[Case]:
              k.damaged(lambda d: flip_bytes(trainer_checkpoint(d) / "model.safetensors"), "recovered")),
         Case("damaged", "newest task checkpoint deleted", "task-2 removed, resume",
              k.damaged(lambda d: shutil.rmtree(latest_task(d)), "recovered")),
+        Case("damaged", "manifest deleted and weights damaged", "task-2 without checkpoint_manifest.json, resume",
+             k.damaged(lambda d: (latest_task(d) / "checkpoint_manifest.json").unlink()
+                       or flip_bytes(latest_task(d) / "model.safetensors"), "recovered")),
+        Case("damaged", "a file placed in a task folder", "special_tokens_map.json with another pad token, resume",
+             k.damaged(lambda d: (latest_task(d) / "special_tokens_map.json").write_text('{"pad_token": "!"}') and None,
+                       "recovered")),
+        Case("damaged", "a sharded-weights index placed in a task folder", "model.safetensors.index.json, resume",
+             k.damaged(lambda d: (latest_task(d) / "model.safetensors.index.json").write_text("{}") and None,
+                       "recovered")),
+        Case("damaged", "hand-edited model card", "README.md edited, resume",
+             k.damaged(lambda d: (latest_task(d) / "README.md").write_text("# my notes\n") and None, "recovered")),
+        Case("folder", "overwrite while another run trains", "overwrite_output_dir=true during a run",
+             k.concurrent_overwrite),
+        Case("folder", "rerun after a run that failed in task 0", "run_config.yaml and an empty trainer/ left",
+             k.leftover_of_failed_run),
+        Case("folder", "links planted in the run folder", "compute.json, results.json, run_config.yaml -> outside",
+             k.planted_link),
+        Case("folder", "resume with another model family", "model.family=siglip",
+             k.resumed_with_other_model("model.family=siglip", "model.config.projection_dim=32", names="family")),
+        Case("folder", "resume with another model size", "model.config.hidden_size=64",
+             k.resumed_with_other_model("model.config.hidden_size=64", "model.config.projection_dim=64",
+                                        names="another size")),
+        Case("damaged", "method tensors and manifest deleted", "method_state.safetensors and the manifest removed, resume",
+             k.damaged(lambda d: (latest_task(d) / "method_state.safetensors").unlink()
+                       or (latest_task(d) / "checkpoint_manifest.json").unlink(), "recovered")),
+        Case("folder", "resume with another label space", "stream_args.label_space=all",
+             k.changed_on_resume("stream_args.label_space=all", "label_space")),
+        Case("folder", "resume with an allowed label-space change", "resume_allow_changes=[stream*]",
+             k.allowed_label_change),
+        Case("interruption", "SIGTERM in the first task", "SIGTERM at step 3 (after a Trainer checkpoint), resume",
+             k.sigterm_first_task),
+        Case("late failure", "a diverging last update", "training.learning_rate=1e30, then resume with 0.001",
+             k.diverged_then_sane),
+        Case("late failure", "weight ensemble longer than a task", "methods=[zscl] (ensemble_every 100, 4 steps)",
+             k.refused_before_training(("methods=[zscl]",), "ensemble_every")),
+        Case("late failure", "one-step task with a fractional warmup", "training.max_steps=1 (warmup 0.1)",
+             k.refused_before_training(("training.max_steps=1",), "warmup_steps")),
         Case("hub", "every push fails", "HTTP 500 on every write", k.hub({"fail_every": 1}, "failed")),
         Case("hub", "flaky Hub", "HTTP 500 on every 3rd write (retried)", k.hub({"fail_every": 3}, "pushed")),
         Case("hub", "reply lost after a commit", "every 4th write committed, then the connection dropped",
              k.hub({"lose_reply_every": 4}, "pushed")),
+        Case("hub", "every 2nd reply lost", "every 2nd write committed, then the connection dropped",
+             k.hub({"lose_reply_every": 2}, "pushed")),
         Case("hub", "Hub unreachable", "HF_ENDPOINT at a closed port", k.unreachable_hub),
         Case("hub", "damaged download", "a pushed blob's bytes changed on the server, resume from the Hub",
              k.hub_download_damaged),
     ]
-    return cases
+    return cases + PYTHON_CASES
 
 
 def main() -> None:

@@ -88,7 +88,8 @@ def run_method(spec: str, seed: int, stream, tokenizer, args, output_dir: Path) 
             output_dir=str(output_dir / f"{spec}-seed{seed}"), save_checkpoints=False, progress=False, seed=seed,
             first_task_epochs=args.first_epochs,
             training={"num_train_epochs": args.epochs, "per_device_train_batch_size": args.batch_size,
-                      "learning_rate": args.lr, "warmup_steps": 0.1, "lr_scheduler_type": "cosine"},
+                      "learning_rate": args.lr, "warmup_steps": 0.1, "lr_scheduler_type": "cosine",
+                      "weight_decay": 0.0},
         ),
         callbacks=[log],
     )

@@ -72,7 +72,8 @@ def pretrain(options, seed: int, tokenizer) -> torch.nn.Module:
         ContinualArguments(output_dir=f"/tmp/hf_ccl_mtil/pretrain-{seed}", save_checkpoints=False, progress=False,
                            seed=seed, evaluate_initial=False, overwrite_output_dir=True,
                            training={"num_train_epochs": options.pretrain_epochs, "per_device_train_batch_size": 64,
-                                     "learning_rate": 1e-3, "warmup_steps": 0.1, "lr_scheduler_type": "cosine"}),
+                                     "learning_rate": 1e-3, "warmup_steps": 0.1, "lr_scheduler_type": "cosine",
+                                     "weight_decay": 0.0}),
     )
     results = learner.fit()
     print(f"Flickr8k pretraining, seed {seed}: {results.rows[-1].metrics['en']}", flush=True)

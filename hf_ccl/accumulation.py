@@ -11,6 +11,15 @@ one extra forward pass of the towers per chunk, the memory that of one chunk's a
 Terms that depend on parameters directly (the temperature, EWC's penalty, a method's own parameters) get their
 gradients from the whole-batch loss; under DDP they are added in the last chunk's backward (as `<p, g>`), which is
 the one that synchronises, so every gradient is all-reduced exactly once.
+
+**Randomness in the forward pass** (dropout in an adapter, a LoRA branch or a BERT-style text tower, MoE-Adapters'
+noisy gating): each chunk's second, differentiable forward replays the random generators' state its no-grad forward
+started from (`RNGState`, as GradCache's `RandContext`: the CPU generator and the current accelerator's), so it draws
+the same masks and noise and recomputes exactly the features the loss was computed from. What is exact, then: the
+gradient applied is the gradient of the loss the step computed and logged, with the random draws that step made.
+What is not: 32 x 2 and 64 x 1 draw different masks and noise (in a different order, over differently shaped
+tensors), so their steps are two samples of the same stochastic objective, equal in expectation, not bitwise; they
+agree exactly only without randomness (tests/test_accumulation.py pins both).
 """
 
 from __future__ import annotations
@@ -50,20 +59,43 @@ def concat_batches(chunks: Sequence[Batch]) -> Batch:
 
 @dataclass
 class RNGState:
-    """The CPU and CUDA generator states, to replay a chunk's forward with the same dropout masks."""
+    """The state of the CPU generator and of the current accelerator's generators (CUDA, XPU, MPS, ...), to replay a
+    chunk's forward with the same dropout masks and noise."""
 
     cpu: torch.Tensor
-    cuda: list[torch.Tensor] | None
+    device: list[torch.Tensor] | None
 
     @classmethod
     def capture(cls) -> RNGState:
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        return cls(torch.get_rng_state(), cuda)
+        module = _accelerator_module()
+        if module is None:
+            device = None
+        elif hasattr(module, "get_rng_state_all"):
+            device = list(module.get_rng_state_all())
+        else:
+            device = [module.get_rng_state()]
+        return cls(torch.get_rng_state(), device)
 
     def restore(self) -> None:
         torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
+        module = _accelerator_module()
+        if self.device is None or module is None:
+            return
+        if hasattr(module, "set_rng_state_all"):
+            module.set_rng_state_all(self.device)
+        else:
+            module.set_rng_state(self.device[0])
+
+
+def _accelerator_module() -> Any:
+    """The device module (`torch.cuda`, `torch.xpu`, `torch.mps`, ...) of the accelerator in use, None without one
+    or before it is initialised (nothing can have been drawn on it then)."""
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is None:
+        return None
+    module = torch.get_device_module(accelerator.type)
+    is_initialized = getattr(module, "is_initialized", None)
+    return None if is_initialized is not None and not is_initialized() else module
 
 
 def _leaf(tensors: list[torch.Tensor]) -> torch.Tensor:

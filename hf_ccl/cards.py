@@ -26,7 +26,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from . import __version__
 from .callbacks import StreamControl, StreamState, TaskCallback
-from .compute import TaskCompute, cost_table
+from .compute import cost_table, task_records
 from .evaluation.matrix import DERIVED_DESCRIPTIONS, INITIAL_LABEL, RESULTS_JSON, ResultsMatrix
 from .processors import AUTO_MAP_NOTE
 
@@ -399,6 +399,20 @@ def _matrix_rows(matrix: ResultsMatrix) -> list[tuple[str, list[str]]]:
     return rows
 
 
+def checkpoint_loaders(methods: Mapping[str, Any]) -> list[dict[str, str]]:
+    """The loaders of the methods whose evaluated model is not the checkpoint's weights alone
+    (`ContinualMethod.checkpoint_loader`), for the card's "How to use"."""
+    from .methods import METHODS
+
+    loaders = []
+    for name in methods:
+        loader = getattr(METHODS.get(name), "checkpoint_loader", None)
+        if loader is not None:
+            loaders.append({"method": name, "module": loader.module, "function": loader.function,
+                            "keeps": loader.keeps, "plain_model": loader.plain_model})
+    return loaders
+
+
 def _template_text(template_path: str | Path | None) -> str:
     if template_path is not None:
         return Path(template_path).read_text(encoding="utf-8")
@@ -481,6 +495,7 @@ def build_model_card(
         "derived": derived,
         "derived_notes": derived_notes,
         "spatial_disorder": SPATIAL_DISORDER_PNG if (folder / SPATIAL_DISORDER_PNG).is_file() else "",
+        "loaders": checkpoint_loaders(methods),
         "repo_id": repo_id or REPO_PLACEHOLDER,
         "repo_id_placeholder": repo_id is None,
         "datasets": [(name, terms) for name, (terms, _) in datasets.items()],
@@ -491,7 +506,7 @@ def build_model_card(
         "preprocessing": _preprocessing(folder),
         "convention": _text_convention(folder),
         "samples_seen_text": _samples_seen_text(_samples_seen(folder)),
-        "cost_table": cost_table([TaskCompute(**record) for record in matrix.cost]),
+        "cost_table": cost_table(task_records(matrix.cost), matrix.cost_run),
         "resume_changes": [(change.get("after_task"), _cell(change.get("key")), _value(change.get("saved")),
                             _value(change.get("now"))) for change in state.get("resume_changes") or []],
     }

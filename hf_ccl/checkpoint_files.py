@@ -2,12 +2,12 @@
 
 A task checkpoint (`task-<k>/`) and every mid-task Trainer checkpoint (`trainer/task-<k>/checkpoint-<n>/`) end with
 `checkpoint_manifest.json`. It is written after every other file, so a checkpoint without one was cut short (killed
-mid-write, a full disk); a file missing, of another size or with other bytes than the manifest lists is an error
-naming it (`CheckpointError`), never a default. The manifest travels with a pushed task revision, so a download is
-verified the same way.
-
-Checkpoints written before manifests existed are accepted with a warning that their bytes cannot be
-checked; their required files (`LEGACY_REQUIRED`) must still be present.
+mid-write, a full disk, copied in part) and is never used: the run resumes from the task before it. A file missing,
+of another size or with other bytes than the manifest lists is an error naming it (`CheckpointError`), never a
+default; the documents written for people (`DOCUMENTS`: the model card, results.md) are never read back, so an
+edited one is a warning, not an error. Files in the folder that the manifest does not list were not written by
+the checkpoint: they are named in a warning and never read (`manifest_view`). The manifest travels with a pushed
+task revision, so a download is verified the same way.
 """
 
 from __future__ import annotations
@@ -15,6 +15,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +27,9 @@ from . import __version__
 logger = logging.getLogger(__name__)
 
 MANIFEST = "checkpoint_manifest.json"
-#: Files every task checkpoint had before manifests existed (with a model.safetensors or a sharded index).
-LEGACY_REQUIRED = ("config.json", "continual_state.json", "results.json", "method_state.json", "tokenizer_config.json",
-                   "preprocessor_config.json")
+#: Files written for people and never read back by a resume or a push (the model card, the results table, plots):
+#: one changed by hand is reported, not refused.
+DOCUMENTS = ("README.md", "results.md", "results_heatmap.png", "spatial_disorder.png")
 #: Files that are not part of a checkpoint's content (the Hub adds `.gitattributes`; huggingface_hub's local-dir
 #: downloads keep metadata under `.cache/`).
 IGNORED = (".gitattributes", ".cache/")
@@ -82,31 +86,66 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
     return manifest
 
 
-def verify_checkpoint(folder: str | Path, legacy_required: tuple[str, ...] = LEGACY_REQUIRED) -> None:
-    """Check every file `folder`'s manifest lists: present, same size, same sha256. Without a manifest: a warning,
-    and the `legacy_required` files must exist. Raises `CheckpointError` naming the first file at fault."""
+def verify_checkpoint(folder: str | Path) -> list[str]:
+    """Check every file `folder`'s manifest lists: present, same size, same sha256 (a changed document, `DOCUMENTS`,
+    is a warning). Raises `CheckpointError` naming the first file at fault, or the missing manifest (a checkpoint
+    cut short). Returns the files the folder holds that the manifest does not list (never read; see
+    `manifest_view`)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"Checkpoint {folder} does not exist")
     manifest = read_manifest(folder)
     if manifest is None:
-        missing = [name for name in legacy_required if not (folder / name).exists()]
-        if missing:
-            raise CheckpointError(f"Checkpoint {folder} has no {MANIFEST} and lacks {missing}: it is incomplete "
-                                  "(cut short while being written, or copied in part)")
-        logger.warning("Checkpoint %s has no %s (written by an older hf_ccl, or cut short): its files cannot be "
-                       "checked for damage", folder, MANIFEST)
-        return
-    for name, expected in manifest["files"].items():
+        raise CheckpointError(f"Checkpoint {folder} has no {MANIFEST}: it is incomplete (cut short while being "
+                              "written, or copied in part)")
+    listed = manifest["files"]
+    for name, expected in listed.items():
         path = folder / name
         if not path.is_file():
             raise CheckpointError(f"{path} is missing from the checkpoint (its manifest lists it)")
         size = path.stat().st_size
-        if size != expected.get("size"):
+        changed = size != expected.get("size") or file_digest(path) != expected.get("sha256")
+        if changed and name in DOCUMENTS:
+            logger.warning("%s was changed after the checkpoint was written (it is not read back; the next task's "
+                           "checkpoint writes its own)", path)
+        elif size != expected.get("size"):
             raise CheckpointError(f"{path} has {size} bytes, its checkpoint manifest says {expected.get('size')} "
                                   "(truncated or changed)")
-        if file_digest(path) != expected.get("sha256"):
+        elif changed:
             raise CheckpointError(f"{path} does not match its checksum in {folder / MANIFEST} (damaged or changed)")
+    extra = [path.relative_to(folder).as_posix() for path in _content_files(folder)]
+    extra = [name for name in extra if name not in listed]
+    if extra:
+        logger.warning("%s holds files its manifest does not list, not written with the checkpoint: %s (ignored)",
+                       folder, ", ".join(extra))
+    return extra
+
+
+@contextmanager
+def manifest_view(folder: str | Path, extra: list[str]) -> Iterator[Path]:
+    """`folder` itself when it holds no `extra` files, else a temporary folder of links to the files its manifest
+    lists, so that loaders that scan a folder (tokenizers, processors, sharded weights) read only the checkpoint."""
+    folder = Path(folder)
+    if not extra:
+        yield folder
+        return
+    view = Path(tempfile.mkdtemp(prefix="hf_ccl-checkpoint-"))
+    try:
+        for name in read_manifest(folder)["files"]:  # type: ignore[index]
+            target = view / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                target.symlink_to((folder / name).resolve())
+            except OSError:  # no symlinks here: a copy
+                shutil.copy2(folder / name, target)
+        yield view
+    finally:
+        shutil.rmtree(view, ignore_errors=True)
+
+
+def is_complete_checkpoint(folder: Path) -> bool:
+    """Whether `folder` has its manifest (written last: without it, the checkpoint was cut short)."""
+    return (folder / MANIFEST).is_file()
 
 
 def checkpoint_is_complete(folder: Path) -> bool:

@@ -19,12 +19,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+from safetensors import safe_open
 from safetensors.torch import load_file
-from transformers import PreTrainedTokenizerBase, TrainingArguments
-from transformers.trainer_utils import load_sharded_checkpoint
+from transformers import PretrainedConfig, PreTrainedTokenizerBase, TrainingArguments
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from . import __version__
-from .checkpoint_files import CheckpointError, checkpoint_is_complete, verify_checkpoint, write_manifest
+from .checkpoint_files import (
+    MANIFEST,
+    CheckpointError,
+    checkpoint_is_complete,
+    manifest_view,
+    read_manifest,
+    verify_checkpoint,
+    write_manifest,
+)
 from .data.collate import load_tokenizer
 from .distributed import barrier, broadcast_object, is_main_process
 from .evaluation.matrix import ResultsMatrix
@@ -33,7 +42,7 @@ from .hub import bounded_hub_timeouts, download_task_checkpoint, task_branches
 from .methods.state import load_method_states, save_method_states
 from .processors import save_processor
 from .resume_settings import UNCOMPARED_TRAINING, allowed, describe_diff, settings_diff
-from .tokenization import resize_position_embeddings
+from .tokenization import position_table_path, resize_position_embeddings
 from .trainer import MID_TASK_STATE
 from .validation import ConfigError
 
@@ -99,21 +108,28 @@ def restore(learner: ContinualLearner, folder: str | Path) -> int:
     naming the file, never a silent fresh start."""
     folder = Path(folder)
     try:
-        verify_checkpoint(folder)
+        extra = verify_checkpoint(folder)
     except CheckpointError as error:
         raise CheckpointError(f"{error}. Remove {folder} to resume from the task before it, or restore the "
                               "file") from error
+    with manifest_view(folder, extra) as view:  # only the files the checkpoint wrote are read
+        return _restore_verified(learner, view, folder)
+
+
+def _restore_verified(learner: ContinualLearner, folder: Path, source: Path) -> int:
+    """`restore` of a verified checkpoint read from `folder` (`source` itself, or a view of its listed files)."""
     state = _read_json(folder / CHECKPOINT_STATE)
     index = int(state["task_index"])
     names = learner.stream.task_names
     if state.get("task_names") != names:
-        raise ValueError(f"{folder / CHECKPOINT_STATE} was written for tasks {state.get('task_names')}, but this "
+        raise ValueError(f"{source / CHECKPOINT_STATE} was written for tasks {state.get('task_names')}, but this "
                          f"stream has {names}: resume with the same stream")
     methods = [method.name for method in learner.methods]
     if state.get("methods") != methods:
-        raise ValueError(f"{folder / CHECKPOINT_STATE} was written with methods {state.get('methods')}, but this "
+        raise ValueError(f"{source / CHECKPOINT_STATE} was written with methods {state.get('methods')}, but this "
                          f"run has {methods}: resume with the same methods")
-    check_settings(learner, state, folder / CHECKPOINT_STATE, index)
+    check_settings(learner, state, source / CHECKPOINT_STATE, index)
+    check_same_architecture(learner.model.config, folder, source)
     tokenizer_file = folder / "tokenizer_config.json"
     if tokenizer_file.exists():
         saved = load_tokenizer(folder)
@@ -125,15 +141,43 @@ def restore(learner: ContinualLearner, folder: str | Path) -> int:
     try:
         learner.results = ResultsMatrix.load(folder)
     except (OSError, ValueError, KeyError) as error:
-        raise ValueError(f"Cannot read the results matrix in {folder}: {error}") from error
+        raise ValueError(f"Cannot read the results matrix in {source}: {error}") from error
     learner.event("on_restore", folder=folder)
     # (checkpoints written before `global_step` was stored: the compute records hold every task's steps)
     learner.global_step = int(state.get("global_step", sum(record.optimizer_steps for record in learner.compute)))
     trained = [row.label for row in learner.results.rows if row.label != "initial"]
     if len(trained) != index + 1:
-        raise ValueError(f"{folder} holds {len(trained)} trained rows in results.json, expected {index + 1}")
-    logger.info("Resumed after task %d (%s) from %s", index, state.get("task_name"), folder)
+        raise ValueError(f"{source} holds {len(trained)} trained rows in results.json, expected {index + 1}")
+    logger.info("Resumed after task %d (%s) from %s", index, state.get("task_name"), source)
     return index
+
+
+#: Config values that fix the shapes of a model's weights: a resumed run must build the model the checkpoint holds.
+ARCHITECTURE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels",
+                     "image_size", "patch_size", "num_patches", "projection_dim")
+
+
+def check_same_architecture(config: PretrainedConfig, folder: Path, source: Path | None = None) -> None:
+    """Refuse, before any weight is read, a checkpoint whose `config.json` is another family (`model_type`) or another
+    size (`ARCHITECTURE_KEYS`, top level and per tower) than the model this run built. The vocabulary and the text
+    context may differ: a checkpoint grown by `grow_vocab` regrows the model as it loads. `source`: the folder to
+    name (when `folder` is a view of it)."""
+    saved, now = _read_json(folder / "config.json"), config.to_dict()
+    folder = source or folder
+    if saved.get("model_type") != now.get("model_type"):
+        raise ConfigError(f"{folder} holds a model of family {saved.get('model_type')!r}, but this run builds one of "
+                          f"family {now.get('model_type')!r}: resume with the family the run started with "
+                          f"(model.family={saved.get('model_type')}), or start afresh in another output_dir",
+                          "model.family")
+    changed = []
+    for section in ("", "text_config", "vision_config"):
+        old, new = (saved, now) if not section else (saved.get(section) or {}, now.get(section) or {})
+        changed += [f"{section + '.' if section else ''}{key} {old[key]} -> {new[key]}" for key in ARCHITECTURE_KEYS
+                    if key in old and key in new and old[key] != new[key]]
+    if changed:
+        raise ConfigError(f"{folder} holds a model of another size than this run builds (saved -> now: "
+                          f"{', '.join(changed)}): resume with the model settings the run started with (model.config, "
+                          "model.pretrained), or start afresh in another output_dir", "model")
 
 
 def same_tokenizer(one: PreTrainedTokenizerBase, other: PreTrainedTokenizerBase) -> bool:
@@ -190,7 +234,7 @@ def download_training_checkpoint(learner: ContinualLearner, training_args: Train
     if not (folder / MID_TASK_STATE).is_dir():
         return None
     try:  # the manifest the Trainer pushed with it (`ContinualTrainer._push_from_checkpoint`)
-        verify_checkpoint(folder, legacy_required=("trainer_state.json", f"{MID_TASK_STATE}/task.json"))
+        verify_checkpoint(folder)
     except CheckpointError as error:
         logger.warning("The Trainer checkpoint on the Hub is damaged (%s): task %d starts from its beginning",
                        error, task_index)
@@ -226,7 +270,8 @@ def check_settings(learner: ContinualLearner, saved: dict[str, Any], source: Pat
     for key, old, new in changes:
         if (key, json.dumps(new)) not in recorded:
             learner.resume_changes.append({"after_task": after_task, "key": key, "saved": old, "now": new})
-            logger.warning("Resuming after task %d with %s changed: %r -> %r (allowed)", after_task, key, old, new)
+            where = f"after task {after_task}" if after_task >= 0 else "in task 0 (from its Trainer checkpoint)"
+            logger.warning("Resuming %s with %s changed: %r -> %r (allowed)", where, key, old, new)
 
 
 # ----- writing -----------------------------------------------------------------------------------------------------
@@ -279,18 +324,25 @@ def save_checkpoint(learner: ContinualLearner, index: int) -> Path:
     return final
 
 # ----- files ----------------------------------------------------------------------------------------------------
-def latest_task_checkpoint(run_dir: str | Path) -> Path | None:
-    """The complete `task-<k>/` folder (one with `continual_state.json`) with the highest k in `run_dir`, or None.
-    `.partial` folders (a save that was interrupted) are ignored."""
+def latest_task_checkpoint(run_dir: str | Path, warn: bool = True) -> Path | None:
+    """The complete `task-<k>/` folder (with `continual_state.json` and its manifest, which is written last) with
+    the highest k in `run_dir`, or None. `.partial` folders (a save that was interrupted) are ignored; a newer
+    folder without its manifest was cut short or copied in part and is skipped (with a warning when `warn`)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return None
     found = []
     for child in run_dir.iterdir():
         name = child.name
-        if child.is_dir() and name.startswith("task-") and name[5:].isdigit() and (child / CHECKPOINT_STATE).exists():
+        if child.is_dir() and name.startswith("task-") and name[5:].isdigit():
             found.append((int(name[5:]), child))
-    return max(found)[1] if found else None
+    for _, child in sorted(found, reverse=True):
+        if (child / CHECKPOINT_STATE).is_file() and (child / MANIFEST).is_file():
+            return child
+        if warn:
+            logger.warning("Task checkpoint %s is incomplete (no %s: cut short or copied in part): not used",
+                           child, MANIFEST if (child / CHECKPOINT_STATE).is_file() else CHECKPOINT_STATE)
+    return None
 
 
 
@@ -320,28 +372,78 @@ def newest_complete_trainer_checkpoint(trainer_dir: Path) -> str | None:
 
 def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
     """Load a checkpoint's weights into `model` (strict), growing the token embedding (and the text position embedding)
-    first if the vocabulary (or the context) grew."""
-    index_file = folder / "model.safetensors.index.json"
-    if index_file.exists():
-        load_sharded_checkpoint(model, str(folder), strict=True)
-        return
-    weights = folder / "model.safetensors"
-    if not weights.exists():
-        raise ValueError(f"Checkpoint {folder} has no model.safetensors (incomplete download or copy?)")
-    state = _load_safetensors(weights)
-    embedding = model.get_input_embeddings().weight
+    first if the vocabulary (or the context) grew. The weights are the files the checkpoint wrote
+    (`checkpoint_weight_files`): one `model.safetensors`, or the shards its index names; every problem is an error
+    naming the file."""
+    files = checkpoint_weight_files(folder)
+    shapes = _saved_shapes(files)
     token_key = f"{getattr(model, 'token_embedding_path', 'text_model.embeddings.token_embedding')}.weight"
-    saved_rows = state[token_key].shape[0] if token_key in state else None
-    if saved_rows is not None and saved_rows != embedding.shape[0]:
-        model.resize_token_embeddings(saved_rows)
-    saved_positions = state.get("text_model.embeddings.position_embedding.weight")
-    if saved_positions is not None and saved_positions.shape[0] > model.max_text_positions:
-        resize_position_embeddings(model, saved_positions.shape[0])  # a context grown by `grow_vocab`
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("position_ids")]
+    if token_key in shapes and shapes[token_key][0] != model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(shapes[token_key][0])
+    position_path = position_table_path(model)
+    table = model.get_submodule(position_path)
+    saved_rows = shapes.get(f"{position_path}.weight", (0,))[0]
+    if saved_rows > table.num_embeddings:  # a context grown by `grow_vocab` (a table may hold offset rows)
+        offset = table.num_embeddings - getattr(model, "max_text_positions", table.num_embeddings)
+        resize_position_embeddings(model, saved_rows - offset)
+    expected = {key for key in model.state_dict() if not key.endswith(("position_ids", "token_type_ids"))}
+    loaded: set[str] = set()
+    for path in files:
+        state = _load_safetensors(path)
+        loaded.update(state)
+        try:
+            model.load_state_dict(state, strict=False)
+        except RuntimeError as error:  # shapes that differ (another architecture or size)
+            mismatched = [line.strip() for line in str(error).splitlines() if "size mismatch" in line]
+            raise ValueError(f"{path} does not match the model: {'; '.join(mismatched[:3]) or error}") from None
+        del state
+    missing, unexpected = sorted(expected - loaded), sorted(loaded - set(model.state_dict()))
     if missing or unexpected:
-        raise ValueError(f"{weights} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        where = files[0] if len(files) == 1 else f"{folder} ({len(files)} shards)"
+        raise ValueError(f"{where} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
+
+def checkpoint_weight_files(folder: Path) -> list[Path]:
+    """The weight files `save_pretrained` wrote in `folder`: `model.safetensors`, or the shards listed in
+    `model.safetensors.index.json` (a save writes one or the other). With a manifest, it decides which (a file it
+    does not list was added later); without one, both present is an error naming them. A shard the index names that
+    is missing is an error naming it."""
+    single, index = folder / SAFE_WEIGHTS_NAME, folder / SAFE_WEIGHTS_INDEX_NAME
+    manifest = read_manifest(folder)
+    if manifest is not None:
+        listed = manifest["files"]
+        single_ok, index_ok = single.name in listed and single.is_file(), index.name in listed and index.is_file()
+    else:
+        single_ok, index_ok = single.is_file(), index.is_file()
+    if single_ok and index_ok:
+        raise ValueError(f"Checkpoint {folder} holds both {single.name} and {index.name} (a save writes one or the "
+                         "other): remove the one that was copied in")
+    if single_ok:
+        return [single]
+    if not index_ok:
+        raise ValueError(f"Checkpoint {folder} has no {single.name} (nor a sharded {index.name}): incomplete download "
+                         "or copy?")
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index} lists no weights (its 'weight_map' is missing or empty)")
+    shards = [folder / name for name in sorted(set(weight_map.values()))]
+    absent = [shard.name for shard in shards if not shard.is_file()]
+    if absent:
+        raise ValueError(f"{index} names shard(s) {absent[:3]} that are not in {folder} (incomplete download or copy?)")
+    return shards
+
+
+def _saved_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor in safetensors `files`, read from their headers (no tensor is loaded)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for key in handle.keys():  # noqa: SIM118 (safe_open handles are not mappings)
+                    shapes[key] = tuple(handle.get_slice(key).get_shape())
+        except Exception as error:  # safetensors raises its own error types for truncated or corrupt files
+            raise ValueError(f"Cannot read {path} (truncated or corrupt?): {error}") from error
+    return shapes
 
 
 def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:

@@ -34,7 +34,7 @@ from .config import (
     resolve_config,
     where_given,
 )
-from .validation import ConfigError, redact_secrets
+from .validation import ConfigError, check_no_tokens, redact_secrets
 
 if TYPE_CHECKING:
     from .config import RunConfig
@@ -96,19 +96,28 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, started_at: float | None = None) -> int:
+    """The `hf-ccl` command. `started_at` (`time.time()`): when the run's start-up cost begins (`hf_ccl.compute`);
+    by default the process's start when the arguments are the command line's (`argv` None), else now."""
+    if started_at is None:
+        started_at = process_start_time() if argv is None else time.time()
     args = _parser().parse_args(argv)
     debug = args.debug or os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
     if args.command == "list":
         return list_main()
     if args.command == "push":
         return _push_command(args.run_dir, args.repo, args.retries, args.timeout, debug)
-    return _train_command(args.config, args.overrides, debug)
+    return _train_command(args.config, args.overrides, debug, started_at)
 
 
 def _push_command(run_dir: str, repo: str, retries: int, timeout: float, debug: bool) -> int:
     from .hub import push_run
 
+    try:
+        check_no_tokens(repo, "--repo")
+    except ConfigError as error:
+        _report_error(error, debug)
+        return EXIT_REFUSED
     try:
         report = push_run(run_dir, repo, retries=retries, timeout=timeout)
     except USER_ERRORS as error:
@@ -163,11 +172,12 @@ def train_main(config_path: str | None, overrides: list[str]) -> int:
     return execute(prepare(config_path, overrides))
 
 
-def _train_command(config_path: str | None, overrides: list[str], debug: bool) -> int:
+def _train_command(config_path: str | None, overrides: list[str], debug: bool, started_at: float) -> int:
     checked = None
     with stop_signals_interrupt():
         try:
             checked = prepare(config_path, overrides)
+            checked.started_at = started_at  # the run's start-up cost counts from here
             return execute(checked)
         except KeyboardInterrupt as error:
             _report_interrupt(error, None if checked is None else checked.config, config_path, overrides, debug)
@@ -182,6 +192,16 @@ def _train_command(config_path: str | None, overrides: list[str], debug: bool) -
                 return EXIT_REFUSED if checked is None else EXIT_FAILED
             _print(_traceback(error))  # a bug: its traceback, always (with tokens redacted)
             return EXIT_FAILED
+
+
+def process_start_time() -> float:
+    """When this process started, in `time.time()` seconds (from /proc on Linux; elsewhere: now)."""
+    try:
+        ticks = int(Path(f"/proc/{os.getpid()}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError, AttributeError):  # no /proc (macOS), no os.sysconf (Windows)
+        return time.time()
+    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
 
 
 @contextmanager
@@ -230,7 +250,7 @@ def stop_signals_interrupt() -> Iterator[None]:
 def _report_interrupt(
     error: KeyboardInterrupt, config: RunConfig | None, config_path: str | None, overrides: list[str], debug: bool
 ) -> None:
-    from .continual import latest_task_checkpoint
+    from .checkpointing import latest_task_checkpoint, newest_complete_trainer_checkpoint
     from .distributed import is_main_process
 
     if debug:
@@ -242,26 +262,29 @@ def _report_interrupt(
     if config is None:
         _print(f"hf-ccl: interrupted by {how} before the run started: nothing was written")
         return
-    last = latest_task_checkpoint(config.output_dir)
+    last = latest_task_checkpoint(config.output_dir, warn=False)
+    if last is not None:
+        where = f"The last complete task checkpoint is {last}"
+    else:  # the first task's own Trainer checkpoints (`save_strategy`) resume it too
+        last = newest_complete_trainer_checkpoint(Path(config.output_dir) / "trainer" / "task-0")
+        where = f"No task had completed; task 0 resumes from its Trainer checkpoint {last}"
     if last is None:
-        _print(f"hf-ccl: interrupted by {how}: no task had completed in {config.output_dir}, nothing to resume")
+        _print(f"hf-ccl: interrupted by {how}: no task had completed in {config.output_dir} and task 0 had no "
+               "Trainer checkpoint (training.save_strategy), nothing to resume")
         return
     kept = [o for o in overrides if not o.split("=", 1)[0].strip().lstrip("-") == "resume_from_checkpoint"]
     command = ["hf-ccl", "train", *(["--config", config_path] if config_path else []), *kept,
                "resume_from_checkpoint=true"]
-    _print(f"hf-ccl: interrupted by {how}. The last complete task checkpoint is {last}; resume with:\n"
-           f"  {shlex.join(command)}")
+    _print(f"hf-ccl: interrupted by {how}. {where}; resume with:\n  {shlex.join(command)}")
 
 
 def disk_full(error: BaseException, output_dir: str) -> str | None:
     """What to say when `error` came from a full disk under `output_dir` (an ENOSPC anywhere in its chain, or less
     than `LOW_DISK_BYTES` left there after the failure); None otherwise."""
-    chain, seen = error, set()
-    enospc = False
-    while chain is not None and id(chain) not in seen:
-        seen.add(id(chain))
-        enospc = enospc or (isinstance(chain, OSError) and chain.errno == errno.ENOSPC)
-        chain = chain.__cause__ or chain.__context__
+    errors = _os_errors(error)
+    if any(code in (errno.EROFS, errno.EACCES, errno.EPERM) for code in errors) and errno.ENOSPC not in errors:
+        return None  # a read-only disk or a permission: its own message says so (statvfs reports no free space)
+    enospc = errno.ENOSPC in errors
     folder = Path(output_dir).resolve()
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
@@ -270,6 +293,19 @@ def disk_full(error: BaseException, output_dir: str) -> str | None:
         return None
     return (f"no space left on the disk of {output_dir} ({free / 2**20:.1f} MiB free): make room, then resume "
             "with resume_from_checkpoint=true (complete task checkpoints are kept)")
+
+
+def _os_errors(error: BaseException) -> set[int]:
+    """The errno of every OSError in `error`'s chain of causes and contexts."""
+    chain: BaseException | None = error
+    seen: set[int] = set()
+    codes: set[int] = set()
+    while chain is not None and id(chain) not in seen:
+        seen.add(id(chain))
+        if isinstance(chain, OSError) and chain.errno is not None:
+            codes.add(chain.errno)
+        chain = chain.__cause__ or chain.__context__
+    return codes
 
 
 def _report_error(error: BaseException, debug: bool, cause: BaseException | None = None) -> None:

@@ -1,24 +1,27 @@
-"""What each task of a run costs: samples seen, an estimate of the multiply-accumulates (MACs), wall time by phase,
-peak memory, trainable parameters and the size of the methods' state.
+"""What a run costs: per task the samples seen, the multiply-accumulates (MACs) of its training steps, wall time by
+phase, peak memory, trainable parameters and the size of the methods' state; per run the start-up and the initial
+evaluation.
 
 TiC-CLIP gives every strategy the same compute per time step and counts it in MACs, which for a fixed model are
-proportional to samples seen (specs/ticclip.md §1.5: MACs ≈ 2.1e10 × samples for ViT-B/16). We count both:
+proportional to samples seen (specs/ticclip.md §1.5: MACs ≈ 2.1e10 × samples for ViT-B/16). Both are counted from
+what was trained (`StepMeter`, on every process, summed over processes):
 
-    samples seen   = optimizer steps × global batch (exact; what the budget `samples_per_task` fixes)
-    MACs estimate  = samples seen × forward MACs per sample × (3 + extra forward passes)
-                     + optimizer steps × step MACs (class prompts, reference batches: measured per task)
-
-The forward MACs per sample are measured once per task with `torch.utils.flop_counter.FlopCounterMode` on a real
-training batch (FLOPs / 2); a training step costs about 3 forward passes (forward + backward, the usual estimate);
-methods that run frozen models add their forward passes (`ContinualMethod.extra_forward_passes`: LwF and Mod-X 1,
-CTP 2), which is how TiC-CLIP arrives at 1.2x for LwF. With `gradient_accumulation_steps > 1` every example is
-encoded once more (`hf_ccl.accumulation`: features without gradients first, then again with them): one more pass.
+    samples seen   the rows of every training batch, partial batches as they are (the last one of an epoch, the
+                   padding accelerate adds so that every process gets a batch); with `samples_per_task` every batch is
+                   whole, so samples seen = optimizer steps x global batch = the budget
+    MACs           every optimizer step is keyed by the shapes of its micro-batches; the first step of each shape runs
+                   under `torch.utils.flop_counter.FlopCounterMode` (FLOPs / 2) from its forward to the methods'
+                   post-step hooks: forward and backward, the methods' terms (teachers, momentum models, reference
+                   batches, class prompts, GEM's memory), exact accumulation's second pass. Every step of that shape
+                   counts what its first one measured. (A method that caches work, e.g. `teacher_cache`, does less on
+                   later steps: for it the count is an upper bound.) Records of older versions hold an estimate
+                   (samples x forward MACs x passes), marked `macs_measured: false`.
 
 Besides compute, every task records (`TaskCompute`, written to `compute.json`, the `cost` section of `results.json`,
 the printed summary and the model card):
 
     seconds              wall time by phase, timed by the loop (`phase_timer`): `task_start` (the methods'
-                         task-start hooks: teacher copies, adapters), `setup` (datasets, collators, the MAC count),
+                         task-start hooks: teacher copies, adapters), `setup` (datasets, collators, the Trainer),
                          `train` (`Trainer.train`), `after_training` and `task_end` (the methods' work after the
                          steps: Fisher, covariances, caches, buffers, weight patching), `eval` (the results-matrix
                          row), `checkpoint` (writing task-<k>/; recorded once written, so the task's own checkpoint
@@ -28,30 +31,33 @@ the printed summary and the model card):
     peak_cuda_bytes      peak memory allocated by torch on the current CUDA device during the task (None on CPU)
     trainable_parameters parameters the optimizer updates (the model's trainable ones and the methods' own)
     method_state_bytes   per method: bytes of its state as saved in a checkpoint (tensors and JSON), after the task
+
+and the run (`RunPhases`, the `run` entry of `compute.json`): `startup_seconds`, from the process's start (`hf-ccl
+train`, `recipes/train.py`; a Python caller: from `run()` or the learner's creation) to its first task, less the
+initial evaluation: imports, config checks, building the stream and the model, restoring a checkpoint, summed over
+the launches of a resumed run; `initial_eval_seconds`, the evaluation before the first task. Left out: the work after
+the last task (the run folder's files, waiting for Hub pushes, printing) and the interpreter's exit.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import resource
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
-from .accumulation import REENCODE_PASSES
 from .callbacks import StreamControl, StreamState, TaskCallback
-from .distributed import world_size
+from .distributed import all_reduce_sum_, world_size
+from .files import write_text_atomic
 
 COMPUTE_FILE = "compute.json"
-BACKWARD_FACTOR = 3.0  # forward + backward ≈ 3 forward passes
 
 
 @dataclass
@@ -60,10 +66,11 @@ class TaskCompute:
 
     task: str
     optimizer_steps: int
+    #: Examples of one whole optimizer step over all processes (per device x accumulation x processes).
     global_batch: int
+    #: Examples batched for training over all processes, partial batches as they are (`hf_ccl.step_meter`).
     samples_seen: int
-    forward_macs_per_sample: float
-    forward_passes_per_sample: float
+    #: Multiply-accumulates of the training steps over all processes: measured per step shape (`macs_measured`).
     macs: float
     seconds: dict[str, float] = field(default_factory=dict)
     peak_rss_bytes: int | None = None
@@ -71,9 +78,11 @@ class TaskCompute:
     trainable_parameters: int | None = None
     total_parameters: int | None = None
     method_state_bytes: dict[str, int] = field(default_factory=dict)
-    #: MACs of every optimizer step besides its examples' passes (included in `macs`): the class prompts of the
-    #: cross-entropy loss, the methods' reference batches (`ContinualMethod.step_macs`).
-    step_macs: float = 0.0
+    #: True: `macs` measured (every step shape's first step under FlopCounterMode); False: an estimate (records of
+    #: earlier versions: samples x forward MACs x passes; or steps a resume restored no counts for).
+    macs_measured: bool = False
+    #: Distinct step shapes measured (on the main process).
+    step_shapes: int = 0
 
     @property
     def wall_seconds(self) -> float:
@@ -84,6 +93,33 @@ class TaskCompute:
     def method_seconds(self) -> float:
         """The methods' own work outside the training steps (task start, after training, task end)."""
         return sum(self.seconds.get(phase, 0.0) for phase in METHOD_PHASES)
+
+    @classmethod
+    def from_dict(cls, record: Mapping[str, Any]) -> TaskCompute:
+        """A record read back from JSON; the estimate's inputs in records of earlier versions are left out."""
+        names = {item.name for item in fields(cls)}
+        return cls(**{key: value for key, value in record.items() if key in names})
+
+
+def task_records(records: Sequence[Mapping[str, Any]]) -> list[TaskCompute]:
+    """`TaskCompute` records from their JSON dicts (`compute.json`, the `cost` section of `results.json`)."""
+    return [TaskCompute.from_dict(record) for record in records]
+
+
+@dataclass
+class RunPhases:
+    """Wall time of a run outside its tasks (the `run` entry of `compute.json`), summed over its launches."""
+
+    #: From the process's start (or `run()`, or the learner's creation) to the first task, less the initial evaluation.
+    startup_seconds: float = 0.0
+    #: The evaluation of the model before the first task.
+    initial_eval_seconds: float = 0.0
+    #: Launches (processes' `fit()`) that trained a task: 1, plus one per resume that trained on.
+    launches: int = 0
+
+    @property
+    def seconds(self) -> float:
+        return self.startup_seconds + self.initial_eval_seconds
 
 
 #: Phases the loop times; `METHOD_PHASES` are the methods' work outside the training steps.
@@ -150,62 +186,23 @@ def state_bytes(state: Any) -> int:
     return len(json.dumps(state, default=str))
 
 
-def forward_macs_per_sample(model: torch.nn.Module, batch: dict[str, Any]) -> float:
-    """MACs of one forward pass of `model` on `batch`, per example (measured, not modelled). A pair batch (cached
-    features) counts the learner heads only: the frozen encoders ran once, when the features were cached."""
-    if "features_a" in batch:
-        inputs = {key: batch[key] for key in ("features_a", "features_b", "modality_a", "modality_b")}
-    else:
-        names = ("input_ids", "attention_mask", *getattr(model, "image_input_names", ("pixel_values",)))
-        inputs = {key: batch[key] for key in names if key in batch}
-    count = len(inputs.get("pixel_values", inputs.get("features_a")))
-    was_training = model.training
-    model.eval()
-    counter = FlopCounterMode(display=False)
-    try:
-        with torch.no_grad(), counter:
-            model(**inputs)
-    finally:
-        model.train(was_training)
-    return counter.get_total_flops() / 2.0 / count
-
-
-def task_compute(
-    task: str, optimizer_steps: int, global_batch: int, macs_per_sample: float, extra_forward_passes: float,
-    step_macs: float = 0.0,
-) -> TaskCompute:
-    samples = optimizer_steps * global_batch
-    passes = BACKWARD_FACTOR + extra_forward_passes
-    return TaskCompute(task, optimizer_steps, global_batch, samples, macs_per_sample, passes,
-                       samples * macs_per_sample * passes + optimizer_steps * step_macs, step_macs=step_macs)
-
-
-def class_prompt_step_macs(model: torch.nn.Module, prompts: Any) -> float:
-    """MACs one optimizer step spends on the cross-entropy's class prompts (`hf_ccl.class_prompts`): their text
-    forward pass, measured, times `BACKWARD_FACTOR` (they are encoded with gradients)."""
-    counter = FlopCounterMode(display=False)
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    try:
-        with torch.no_grad(), counter:
-            model.embed_texts(prompts.input_ids.to(device), prompts.attention_mask.to(device))
-    finally:
-        model.train(was_training)
-    return counter.get_total_flops() / 2.0 * BACKWARD_FACTOR
-
-
-def save_compute(records: list[TaskCompute], directory: str | Path) -> None:
+def save_compute(records: list[TaskCompute], directory: str | Path, run: RunPhases | None = None) -> None:
     tasks = [asdict(record) for record in records]
-    payload = {"tasks": tasks, **cost_totals(tasks)}
-    (Path(directory) / COMPUTE_FILE).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+    phases = None if run is None else asdict(run)
+    payload = {"tasks": tasks, "run": phases, **cost_totals(tasks, phases)}
+    write_text_atomic(Path(directory) / COMPUTE_FILE, json.dumps(payload, indent=2) + "\n")
 
 
-def cost_totals(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run's totals of per-task cost records (as dicts): wall seconds by phase, the evaluation's share, the
-    largest peak memory and trainable-parameter count, samples and MACs."""
+def cost_totals(records: list[dict[str, Any]], run: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The run's totals of per-task cost records (as dicts) and of its `RunPhases` (as a dict, if given): wall
+    seconds by phase (`startup` and `initial_eval` besides the tasks' phases), the evaluation's share, the largest
+    peak memory and trainable-parameter count, samples and MACs."""
     seconds = {phase: sum(record.get("seconds", {}).get(phase, 0.0) for record in records) for phase in PHASES}
+    if run is not None:
+        seconds = {"startup": run.get("startup_seconds", 0.0), "initial_eval": run.get("initial_eval_seconds", 0.0),
+                   **seconds}
     wall = sum(seconds.values())
+    evaluation = seconds["eval"] + seconds.get("initial_eval", 0.0)
 
     def largest(key: str) -> int | None:
         values = [record[key] for record in records if record.get(key) is not None]
@@ -214,13 +211,14 @@ def cost_totals(records: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "total_seconds": seconds,
         "total_wall_seconds": wall,
-        "eval_share": seconds["eval"] / wall if wall else None,
+        "eval_share": evaluation / wall if wall else None,
         "max_peak_rss_bytes": largest("peak_rss_bytes"),
         "max_peak_cuda_bytes": largest("peak_cuda_bytes"),
         "max_trainable_parameters": largest("trainable_parameters"),
         "final_method_state_bytes": sum(records[-1].get("method_state_bytes", {}).values()) if records else 0,
         "total_samples_seen": sum(record.get("samples_seen", 0) for record in records),
         "total_macs": sum(record.get("macs", 0.0) for record in records),
+        "macs_measured": all(record.get("macs_measured", False) for record in records),
     }
 
 
@@ -267,36 +265,52 @@ def run_cost_cells(cost: dict[str, float | None]) -> str:
     return " | ".join(cells)
 
 
-def load_compute(directory: str | Path) -> list[TaskCompute]:
+def load_compute(directory: str | Path) -> tuple[list[TaskCompute], RunPhases]:
+    """The task records and run phases of a `compute.json` (none and empty phases when there is no file)."""
     path = Path(directory) / COMPUTE_FILE
     if not path.exists():
-        return []
+        return [], RunPhases()
     try:
-        return [TaskCompute(**record) for record in json.loads(path.read_text(encoding="utf-8"))["tasks"]]
-    except (ValueError, KeyError, TypeError) as error:
+        payload = json.loads(path.read_text(encoding="utf-8"))
+        return task_records(payload["tasks"]), RunPhases(**(payload.get("run") or {}))
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise ValueError(f"Cannot read {path} (truncated or corrupt?): {error}") from error
 
 
-def compute_summary(records: list[TaskCompute]) -> str:
-    """One line per task and a total: samples seen, optimizer steps, estimated MACs, then the wall time by phase,
-    peak memory, trainable parameters and method state where recorded."""
-    lines = ["Compute per task (samples seen = optimizer steps x global batch; MACs estimated):"]
+def macs_text(record: TaskCompute) -> str:
+    """A task's MACs for a table or summary: `1.23e+09`, or `~1.23e+09` when estimated."""
+    return f"{'' if record.macs_measured else '~'}{record.macs:.2e}"
+
+
+def compute_summary(records: list[TaskCompute], run: RunPhases | None = None) -> str:
+    """One line per task and a total: samples seen, optimizer steps, MACs, then the wall time by phase, peak memory,
+    trainable parameters and method state where recorded, with the run's start-up and initial evaluation."""
+    lines = ["Compute per task (samples seen: the rows of every training batch, over all processes; MACs: measured "
+             "per step shape, ~ an estimate):"]
     for record in records:
-        lines.append(f"  {record.task}: {record.samples_seen:,} samples ({record.optimizer_steps} steps x "
-                     f"{record.global_batch}), {record.macs:.2e} MACs")
+        lines.append(f"  {record.task}: {record.samples_seen:,} samples ({record.optimizer_steps} steps of up to "
+                     f"{record.global_batch}), {macs_text(record)} MACs")
     total = sum(r.samples_seen for r in records)
-    lines.append(f"  total: {total:,} samples, {sum(r.macs for r in records):.2e} MACs")
+    estimated = "" if all(r.macs_measured for r in records) else "~"
+    lines.append(f"  total: {total:,} samples, {estimated}{sum(r.macs for r in records):.2e} MACs")
     timed = [record for record in records if record.seconds]
     if timed:
         lines.append("Cost per task (wall seconds: train / eval / methods / other; peak memory; trainable "
                      "parameters; method state):")
+        if run is not None and run.launches:
+            launches = f"; {run.launches} launches" if run.launches > 1 else ""
+            lines.append(f"  start-up: {run.startup_seconds:.1f} s (from the start to the first task: imports, checks, "
+                         f"stream, model{launches})")
+            lines.append(f"  initial evaluation: {run.initial_eval_seconds:.1f} s")
         for record in timed:
             lines.append(f"  {record.task}: {cost_line(record)}")
-        wall = sum(r.wall_seconds for r in timed)
-        evaluation = sum(r.seconds.get("eval", 0.0) for r in timed)
+        outside = run.seconds if run is not None else 0.0
+        wall = sum(r.wall_seconds for r in timed) + outside
+        evaluation = sum(r.seconds.get("eval", 0.0) for r in timed) + (run.initial_eval_seconds if run else 0.0)
         lines.append(f"  total: {wall:.1f} s, of which training {sum(r.seconds.get('train', 0.0) for r in timed):.1f} s"
                      f", evaluation {evaluation:.1f} s ({100 * evaluation / wall if wall else 0:.0f}%), methods "
-                     f"{sum(r.method_seconds for r in timed):.1f} s")
+                     f"{sum(r.method_seconds for r in timed):.1f} s" + (f", start-up {run.startup_seconds:.1f} s"
+                                                                         if run is not None and run.launches else ""))
     return "\n".join(lines)
 
 
@@ -316,34 +330,46 @@ def cost_line(record: TaskCompute) -> str:
     return ", ".join(parts)
 
 
-def cost_table(records: list[TaskCompute]) -> list[str]:
-    """Markdown table of what each task cost, one row per task and a total row (empty without timed records)."""
+def cost_table(records: list[TaskCompute], run: Mapping[str, Any] | RunPhases | None = None) -> list[str]:
+    """Markdown table of what the run cost: its start-up and initial evaluation (with `run`), one row per task and a
+    total row (empty without timed records)."""
     timed = [record for record in records if record.seconds]
     if not timed:
         return []
+    phases = RunPhases(**run) if isinstance(run, Mapping) else run
     lines = ["| task | wall (s) | train (s) | eval (s) | methods (s) | checkpoint (s) | peak RSS | peak CUDA | "
              "trainable params | method state | samples | MACs |", "|---" * 12 + "|"]
 
-    def row(label: str, rs: list[TaskCompute]) -> str:
+    def row(label: str, rs: list[TaskCompute], outside: RunPhases | None = None) -> str:
         seconds = {phase: sum(r.seconds.get(phase, 0.0) for r in rs) for phase in PHASES}
         rss = [r.peak_rss_bytes for r in rs if r.peak_rss_bytes is not None]
         cuda = [r.peak_cuda_bytes for r in rs if r.peak_cuda_bytes is not None]
         state = rs[-1].method_state_bytes
         checkpoint = f"{seconds['checkpoint']:.2f}" if any("checkpoint" in r.seconds for r in rs) else "-"
-        return (f"| {label} | {sum(seconds.values()):.2f} | {seconds['train']:.2f} | {seconds['eval']:.2f} | "
-                f"{sum(seconds[p] for p in METHOD_PHASES):.2f} | {checkpoint} | "
+        initial = outside.initial_eval_seconds if outside is not None else 0.0
+        macs = ("" if all(r.macs_measured for r in rs) else "~") + f"{sum(r.macs for r in rs):.2e}"
+        return (f"| {label} | {sum(seconds.values()) + (outside.seconds if outside else 0.0):.2f} | {seconds['train']:.2f} | "
+                f"{seconds['eval'] + initial:.2f} | {sum(seconds[p] for p in METHOD_PHASES):.2f} | {checkpoint} | "
                 f"{format_bytes(max(rss)) if rss else '-'} | {format_bytes(max(cuda)) if cuda else '-'} | "
                 f"{format_count(max(r.trainable_parameters or 0 for r in rs))} | "
-                f"{format_bytes(sum(state.values()))} | {sum(r.samples_seen for r in rs):,} | "
-                f"{sum(r.macs for r in rs):.2e} |")
+                f"{format_bytes(sum(state.values()))} | {sum(r.samples_seen for r in rs):,} | {macs} |")
 
+    if phases is not None and phases.launches:
+        lines.append(f"| start-up | {phases.startup_seconds:.2f} | - | - | - | - | - | - | - | - | - | - |")
+        lines.append(f"| initial evaluation | {phases.initial_eval_seconds:.2f} | - | "
+                     f"{phases.initial_eval_seconds:.2f} | - | - | - | - | - | - | - | - |")
     lines += [row(record.task, [record]) for record in timed]
-    lines.append(row("**total**", timed))
-    lines += ["", "Wall time by phase: train = `Trainer.train`; methods = their task-start, after-training and task-end "
-              "work (teachers, Fisher, buffers, patching); checkpoint = writing task-<k>/ (missing for a task in its own "
-              "checkpoint). Peak memory: of the main process during the task; total row: the largest. Trainable "
-              "params: total row = the most in any task. Method state: bytes of all methods' state in the checkpoint "
-              "(total row: after the last task)."]
+    lines.append(row("**total**", timed, phases))
+    lines += ["", "Wall time by phase: start-up = from the process's start to the first task, less the initial "
+              "evaluation (imports, config checks, building the stream and the model, restoring a checkpoint; summed "
+              "over the launches of a resumed run); train = `Trainer.train`; methods = their task-start, "
+              "after-training and task-end work (teachers, Fisher, buffers, patching); checkpoint = writing task-<k>/ "
+              "(missing for a task in its own checkpoint). Not counted: the work after the last task (the run "
+              "folder's files, waiting for Hub pushes) and the interpreter's exit. Peak memory: of the main process "
+              "during the task; total row: the largest. Trainable params: total row = the most in any task. Method "
+              "state: bytes of all methods' state in the checkpoint (total row: after the last task). Samples: the "
+              "rows of every training batch over all processes. MACs: measured, every step shape's first step under "
+              "torch's FlopCounterMode (forward, backward, the methods' work); ~ marks an estimate."]
     return lines
 
 
@@ -371,47 +397,54 @@ def global_batch_size(training: dict[str, Any]) -> int:
     return per_device * accumulation * world_size()
 
 
-def measured_forward_macs(model: torch.nn.Module, collator: Any, dataset: Any) -> float:
-    """Forward MACs per example of `model`, measured on two training examples of `dataset` (map-style or streaming);
-    the collator's sampler state is restored, so measuring changes nothing."""
-    state = collator.state_dict()
-    rows = list(itertools.islice(iter(dataset), 2))
-    batch = collator(rows)
-    collator.load_state_dict(state)
-    return forward_macs_per_sample(model, batch)
+def trained_counts(trainer: Any) -> tuple[int, float, bool]:
+    """(samples, MACs, whether every step was measured) of a task's training steps, summed over the processes
+    (every process calls this)."""
+    meter = trainer.step_meter
+    unmeasured = meter.unmeasured_steps
+    totals = torch.tensor([meter.samples, meter.macs, unmeasured], dtype=torch.float64, device=trainer.args.device)
+    samples, macs, unmeasured = all_reduce_sum_(totals).tolist()
+    if unmeasured:  # a resume restored no counts: those steps' batches are taken as whole
+        samples += meter.unmeasured_steps * global_batch_size(trainer.args.to_dict())
+    return int(samples), macs, not unmeasured
 
 
 class ComputeCallback(TaskCallback):
-    """Records what every trained task cost (`TaskCompute`): `compute.json` in every checkpoint and the run folder,
-    and the `cost` section of the results."""
+    """Records what the run cost: every trained task (`TaskCompute`) and the run's start-up and initial evaluation
+    (`RunPhases`), in `compute.json` in every checkpoint and the run folder, and in the `cost` section of the
+    results."""
 
     def __init__(self) -> None:
         self.records: list[TaskCompute] = []
-        self._macs_per_sample = 0.0
-        self._step_macs = 0.0
+        self.run = RunPhases()
+        self._launch_pending = False  # this fit()'s start-up is not recorded yet
         self._parameters: tuple[int, int] = (0, 0)
 
+    def on_stream_begin(self, args: Any, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
+        self._launch_pending = True
+
     def on_task_begin(self, args: Any, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
+        """The launch's start-up and initial evaluation, at its first task (a resumed finished run trains none and
+        adds none: its files stay those of the last task checkpoint), then a new peak-memory window."""
+        if self._launch_pending:
+            learner = kwargs["learner"]
+            self.run.startup_seconds += time.time() - learner.started_at - learner.initial_eval_seconds
+            self.run.initial_eval_seconds += learner.initial_eval_seconds
+            self.run.launches += 1
+            learner.results.cost_run = asdict(self.run)
+            self._launch_pending = False
         reset_peak_memory()
 
     def on_train_begin(self, args: Any, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
         learner = kwargs["learner"]
-        self._macs_per_sample = measured_forward_macs(learner.model, kwargs["collator"], kwargs["train_dataset"])
         self._parameters = trainable_parameter_count(learner.model, learner.methods)
-        context = kwargs["context"]
-        self._step_macs = sum(method.step_macs(learner.model, context) for method in learner.methods)
-        if context.class_prompts is not None:
-            self._step_macs += class_prompt_step_macs(learner.model, context.class_prompts)
-        self._step_macs *= world_size()  # every process encodes the prompts and its (same) reference batch
 
     def on_task_trained(self, args: Any, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
-        trainer, methods = kwargs["trainer"], kwargs["learner"].methods
-        passes = sum(method.extra_forward_passes for method in methods)
-        if trainer.args.gradient_accumulation_steps > 1:
-            passes += REENCODE_PASSES
-        record = task_compute(kwargs["context"].task.name, trainer.state.global_step,
-                              global_batch_size(trainer.args.to_dict()), self._macs_per_sample, passes,
-                              self._step_macs)
+        trainer = kwargs["trainer"]
+        samples, macs, measured = trained_counts(trainer)
+        record = TaskCompute(kwargs["context"].task.name, trainer.state.global_step,
+                             global_batch_size(trainer.args.to_dict()), samples, macs, macs_measured=measured,
+                             step_shapes=len(trainer.step_meter.macs_per_step))
         record.trainable_parameters, record.total_parameters = self._parameters
         record.seconds = kwargs["context"].phase_seconds  # the loop's clock: later phases land here too
         self.records.append(record)
@@ -426,8 +459,10 @@ class ComputeCallback(TaskCallback):
         kwargs["learner"].results.cost = [asdict(record) for record in self.records]  # with the checkpoint's time
 
     def on_save(self, args: Any, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
-        save_compute(self.records, kwargs["folder"])
+        save_compute(self.records, kwargs["folder"], self.run)
 
     def on_restore(self, args: Any, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
-        self.records = load_compute(kwargs["folder"])
-        kwargs["learner"].results.cost = [asdict(record) for record in self.records]
+        self.records, self.run = load_compute(kwargs["folder"])
+        learner = kwargs["learner"]
+        learner.results.cost = [asdict(record) for record in self.records]
+        learner.results.cost_run = asdict(self.run)

@@ -1,4 +1,4 @@
-"""Run configuration: one YAML file (read with a safe loader) plus command-line overrides `key.sub=value`."""
+"""Run configuration: one YAML file (read with a safe loader, aliases bounded: `hf_ccl.safe_yaml`) plus command-line overrides `key.sub=value`."""
 
 from __future__ import annotations
 
@@ -16,11 +16,14 @@ import yaml
 
 from .continual import ContinualArguments
 from .families import FAMILIES, family_of
+from .files import write_text_atomic
 from .modeling import tiny_clip_config
+from .safe_yaml import YAMLSizeError, load_yaml
 from .validation import (
     ConfigError,
     check_dataclass,
     check_mapping,
+    check_no_tokens,
     check_range,
     check_value,
     describe,
@@ -28,22 +31,10 @@ from .validation import (
     type_hints,
 )
 
-
-def _default_training() -> dict[str, Any]:
-    return {
-        "num_train_epochs": 8,
-        "per_device_train_batch_size": 64,
-        "learning_rate": 1e-3,
-        "weight_decay": 0.1,
-        "warmup_steps": 0.1,
-        "lr_scheduler_type": "cosine",
-        "logging_steps": 10,
-    }
-
-
-#: The config's own defaults of loop fields, where the loop has none or a run needs another: a run folder, and a
-#: training section that trains the tiny default CLIP. (A YAML file's `training` section extends these defaults.)
-CONFIG_DEFAULTS: dict[str, Callable[[], Any]] = {"output_dir": lambda: "outputs/run", "training": _default_training}
+#: The config's own defaults of loop fields, where a run needs another than the loop's: a run folder. (The
+#: training section's defaults are the loop's, `hf_ccl.training_options.default_training`, which a given section
+#: extends, from YAML, the command line and Python alike.)
+CONFIG_DEFAULTS: dict[str, Callable[[], Any]] = {"output_dir": lambda: "outputs/run"}
 
 
 def with_loop_fields(cls: type) -> type:
@@ -110,6 +101,7 @@ class RunConfig:
         (ranges, consistency, the `training` section); converted values are stored back. Returns the loop's
         arguments so checked. Streams, methods and paths are checked by `hf_ccl.run.check_config`, before anything
         is built."""
+        check_no_tokens(self)  # before any value is echoed in an error or written
         if isinstance(self.methods, str):
             self.methods = [self.methods]
         if isinstance(self.method_args, dict):  # `name:` with no options reads as null in YAML
@@ -214,7 +206,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not sep or not key:
         raise ConfigError(f"Override {text!r} is not of the form key=value (e.g. training.num_train_epochs=2)")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else None
+        parsed = load_yaml(value, f"Override of {key}") if value.strip() else None
+    except YAMLSizeError as error:
+        raise ConfigError(str(error), key) from None
     except yaml.YAMLError as error:
         raise ConfigError(f"Override of {key}: the value is not valid YAML ({error.__class__.__name__}); quote "
                           "it, e.g. key='value'") from error
@@ -289,7 +283,9 @@ def read_yaml(path: Path) -> dict[str, Any]:
     """A YAML config file as a mapping (an error naming the file otherwise)."""
     try:
         with open(path, encoding="utf-8") as handle:
-            values = yaml.safe_load(handle) or {}
+            values = load_yaml(handle, str(path)) or {}
+    except YAMLSizeError as error:
+        raise ConfigError(str(error)) from None
     except yaml.YAMLError as error:
         raise ConfigError(f"{path} is not valid YAML: {error}") from error
     except (OSError, UnicodeDecodeError) as error:
@@ -308,8 +304,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         source = resolve_config(path)
         values = read_yaml(source)
     known_keys(values, config_fields(), "config key(s)", str(source or ""), listing="valid keys")
-    if "training" in values and isinstance(values["training"] or {}, dict):  # it extends the defaults
-        values["training"] = {**CONFIG_DEFAULTS["training"](), **(values["training"] or {})}
+    if "training" in values and values["training"] is None:  # `training:` with nothing under it
+        values["training"] = {}
     values = apply_overrides(values, overrides or [])
     missing = [name for name in required_fields() if name not in values]
     if missing:
@@ -323,7 +319,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def where_given(key: str | None, source: Path | None, overrides: list[str]) -> str:
     """Where the value of a dotted `key` came from: "in the overrides", "in <file>", or both when unknown."""
     overridden = [".".join(parse_override(text)[0]) for text in overrides]
-    if key is not None and any(key == o or key.startswith((o + ".", o + "[")) for o in overridden):
+    if key is not None and any(key == o or key.startswith((o + ".", o + "[")) or o.startswith(key + ".")
+                               for o in overridden):
         return "in the overrides"
     if key is not None or not overrides:
         return f"in {source}" if source else "in the defaults"
@@ -331,4 +328,4 @@ def where_given(key: str | None, source: Path | None, overrides: list[str]) -> s
 
 
 def save_config(config: RunConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False), encoding="utf-8")
+    write_text_atomic(path, yaml.safe_dump(config.to_dict(), sort_keys=False))

@@ -17,7 +17,9 @@ the interrupted task itself resumes from its last one. A finished task is never 
 from __future__ import annotations
 
 import logging
+import math
 import shutil
+import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -52,7 +54,8 @@ from .data.reference import ReferenceBatches
 from .data.streaming import column_names, is_empty, is_streaming, whole_batches
 from .data.task import TaskStream
 from .data.workers import dataloader_defaults, training_device_type
-from .distributed import barrier, broadcast_object, is_main_process
+from .distributed import barrier, broadcast_object, is_main_process, launch_defaults, world_size
+from .evaluation.checks import NonFiniteEmbeddingError
 from .evaluation.matrix import ResultsMatrix
 from .evaluation.schedule import StreamEvaluator, evaluated_after
 from .evaluation.spatial_disorder import SpatialDisorderCallback
@@ -70,8 +73,8 @@ from .resume_settings import run_settings
 from .run_folder import RunFolderLock, claim_run_folder
 from .stream_logging import StreamLogger, reporting_callbacks
 from .trainer import ContinualTrainer
-from .training_options import check_training_args
-from .validation import ConfigError, check_choice, check_dataclass, check_range
+from .training_options import check_training_args, default_training, with_training_defaults
+from .validation import ConfigError, check_choice, check_dataclass, check_no_tokens, check_range
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +89,10 @@ class ContinualArguments:
 
     output_dir: str = field(metadata={"help": "Run folder; each task's checkpoint goes to <output_dir>/task-<k>/."})
     training: dict[str, Any] = field(
-        default_factory=dict, metadata={"help": "TrainingArguments fields for every task (epochs, batch size, lr, ...)."}
+        default_factory=default_training,
+        metadata={"help": "TrainingArguments fields for every task (epochs, batch size, lr, ...); what is given extends "
+                  "hf_ccl's defaults (8 epochs, batch 64, lr 1e-3, weight decay 0.1, warmup 0.1 of the steps, cosine "
+                  "schedule), the same from Python, YAML and the command line."},
     )
     first_task_epochs: float | None = field(
         default=None, metadata={"help": "Epochs for the first task (e.g. pretraining a random CLIP); None: as others."}
@@ -207,10 +213,11 @@ class ContinualArguments:
 
     def __post_init__(self) -> None:
         """Every value checked (type, range, consistency) before anything is built, trained or written."""
+        check_no_tokens(self)
         if isinstance(self.resume_from_checkpoint, str) and self.resume_from_checkpoint.lower() in ("true", "false"):
             self.resume_from_checkpoint = self.resume_from_checkpoint.lower() == "true"
         check_dataclass(self)
-        self.training = validate_training_args(self.training)
+        self.training = validate_training_args(with_training_defaults(self.training))
         check_choice("warmup", self.warmup, WARMUP_RULES)
         check_choice("classification_loss", self.classification_loss, CLASSIFICATION_LOSSES)
         check_choice("class_scope", self.class_scope, CLASS_SCOPES)
@@ -267,6 +274,20 @@ class ContinualArguments:
             if self.training.get("dataloader_drop_last") is False:
                 raise ConfigError("samples_per_task trains on whole global batches only (dataloader_drop_last is "
                                   "set): remove training.dataloader_drop_last")
+
+
+def planned_steps(rows: int, training: dict[str, Any], processes: int = 1) -> int:
+    """Optimizer steps a task of `rows` training examples takes under `training` (TrainingArguments fields), as
+    `Trainer.set_initial_training_values` counts them: `max_steps` when set, else epochs x ceil(batches / accumulation)
+    with each process's share of the rows (the distributed sampler pads it up)."""
+    if int(training.get("max_steps", -1)) > 0:
+        return int(training["max_steps"])
+    per_process = math.ceil(rows / processes)
+    batch = int(training.get("per_device_train_batch_size", 8))
+    batches = per_process // batch if training.get("dataloader_drop_last") else math.ceil(per_process / batch)
+    accumulation = int(training.get("gradient_accumulation_steps", 1))
+    per_epoch = max(batches // accumulation + int(batches % accumulation > 0), 1)
+    return math.ceil(float(training.get("num_train_epochs", 3.0)) * per_epoch)
 
 
 def validate_training_args(training: dict[str, Any]) -> dict[str, Any]:
@@ -385,7 +406,8 @@ class ContinualLearner:
                               f"{replacing[0]} (its terms are the whole loss): use one of them", "classification_loss")
         for method in methods:
             method.check_stream(stream)
-        PartialState()  # joins the process group now when launched distributed (the Trainer would, later)
+        # joins the process group now when launched distributed (the Trainer would, later), on the CPU when it must
+        PartialState(cpu=bool({**launch_defaults(args.training), **args.training}.get("use_cpu")))
         self.callbacks = list(callbacks or [])
         self.modality_encoders = dict(modality_encoders or {})
         self.model = model
@@ -413,6 +435,11 @@ class ContinualLearner:
         self.settings = run_settings(args, stream, methods)  # what a resume must match (before anything runs)
         self.resume_changes: list[dict[str, Any]] = []  # settings changed on purpose at a resume
         self._lock: RunFolderLock | None = None
+        self._owns_lock = False
+        #: When this run's clock started (`time.time()`): the process's start under `hf-ccl train` (`hf_ccl.run.run`),
+        #: else the learner's creation; the start-up cost is from here to the first task (`hf_ccl.compute`).
+        self.started_at = time.time()
+        self.initial_eval_seconds = 0.0  # the evaluation before the first task, in the last fit()
 
     @property
     def compute(self) -> list[TaskCompute]:
@@ -451,20 +478,24 @@ class ContinualLearner:
         return min(self.args.max_length or limit, limit)
 
     # ----- the loop -----------------------------------------------------------------------------------------
-    def claim_output_dir(self) -> None:
+    def claim_output_dir(self, lock: RunFolderLock | None = None) -> None:
         """Lock output_dir for this run (main process) and refuse to start a new run over another run's files
-        (`overwrite_output_dir` removes them). Done by `fit`; call it earlier to check before writing anything."""
+        (`overwrite_output_dir` removes them). Done by `fit`; call it earlier to check before writing anything.
+        `lock`: one the caller already holds on output_dir (and releases itself, after `fit`)."""
         if self._lock is not None or not is_main_process():
             return
-        lock = RunFolderLock(self.output_dir)
-        lock.acquire()
+        owned = lock is None
+        lock = lock or RunFolderLock(self.output_dir)
+        if owned:
+            lock.acquire()
         try:
             claim_run_folder(self.output_dir, resume=self.args.resume_from_checkpoint not in (None, False),
                              overwrite=self.args.overwrite_output_dir)
         except BaseException:
-            lock.release()
+            if owned:
+                lock.release()
             raise
-        self._lock = lock
+        self._lock, self._owns_lock = lock, owned
 
     def fit(self) -> ResultsMatrix:
         """Run the whole stream; returns the results matrix (also saved in every checkpoint)."""
@@ -472,11 +503,13 @@ class ContinualLearner:
         try:
             return self._fit()
         finally:
-            if self._lock is not None:
+            if self._lock is not None and self._owns_lock:
                 self._lock.release()
-                self._lock = None
+            self._lock = None
+            self.started_at = time.time()  # a later fit()'s start-up starts now
 
     def _fit(self) -> ResultsMatrix:
+        self.initial_eval_seconds = 0.0
         self.stream_logger = StreamLogger(self.args.training.get("report_to"), self.output_dir, self.callbacks)
         self.state, self.control = StreamState(num_tasks=len(self.stream)), StreamControl()
         self.encode_pair_tasks()  # with the model the run starts from: its towers are the frozen encoders
@@ -486,8 +519,15 @@ class ContinualLearner:
             self.state.resumed_from = self.state.last_checkpoint = resumed
         else:
             first_task = 0
+        self._check_planned_steps(first_task)
+        if resumed is not None and first_task == len(self.stream):
+            logger.warning("Every task of the stream was already trained (resumed from %s): nothing to train; the "
+                           "results are those of the finished run", resumed)
+        elif resumed is None:
             if self.args.evaluate_initial:
+                started = time.perf_counter()
                 self.results.add_row("initial", self.evaluate(trained=0))
+                self.initial_eval_seconds = time.perf_counter() - started
                 self.stream_logger.log_results(self.results, "initial", step=0)
         error: BaseException | None = None
         try:
@@ -647,6 +687,7 @@ class ContinualLearner:
             # none on a CPU; on a GPU, the process's share of the cores (hf_ccl.data.workers)
             **dataloader_defaults(self.args.training, training_device_type(self.args.training)),
             "dataloader_pin_memory": torch.cuda.is_available(),
+            **launch_defaults(self.args.training),  # several processes without a GPU: DDP on the CPU (gloo)
             **self.args.training,
         }
         if context.task_index == 0 and self.args.first_task_epochs is not None:
@@ -687,9 +728,41 @@ class ContinualLearner:
             )
         return steps
 
+    def _check_planned_steps(self, first_task: int) -> None:
+        """Before the stream trains: each task's optimizer steps, where they are known without training (map-style
+        data that no method transforms), against what the methods need (`ContinualMethod.check_task_steps`)."""
+        if any(type(method).train_dataset is not ContinualMethod.train_dataset for method in self.methods):
+            return  # replay, joint: the data a task trains on is known at its start (checked then)
+        for index, task in enumerate(self.stream):
+            if index < first_task or is_streaming(task.train):
+                continue
+            values = {**self.args.training}
+            if index == 0 and self.args.first_task_epochs is not None:
+                values["num_train_epochs"], values["max_steps"] = self.args.first_task_epochs, -1
+            if self.args.samples_per_task is not None:
+                values["max_steps"] = self._budget_steps(values)
+                values["dataloader_drop_last"] = True
+            steps = planned_steps(len(task.train), values, world_size())
+            for method in self.methods:
+                method.check_task_steps(index, task.name, steps)
+
+    def _check_task_steps(self, context: TaskContext, trainer: ContinualTrainer) -> None:
+        """Before a task trains, with its exact optimizer steps: what the methods need, and a learning rate that
+        leaves zero (a warmup as long as a one-step task would train nothing)."""
+        steps = trainer.set_initial_training_values(trainer.args, trainer.get_train_dataloader())[-1]
+        for method in self.methods:
+            method.check_task_steps(context.task_index, context.task.name, steps)
+        warmup = trainer.args.get_warmup_steps(steps)
+        if steps == 1 and warmup >= 1:
+            raise ValueError(
+                f"Task {context.task_index} ({context.task.name!r}) trains 1 optimizer step, and its warmup "
+                f"(training.warmup_steps={trainer.args.warmup_steps}) takes it: the learning rate of that step is 0, so "
+                "the task would train nothing. Set training.warmup_steps=0 or train the task longer")
+
     def _train_task(self, context: TaskContext) -> ContinualTrainer:
         with phase_timer(context.phase_seconds, "setup"):
             trainer = self._build_trainer(context)
+            self._check_task_steps(context, trainer)
         with phase_timer(context.phase_seconds, "train"):
             trainer.train(resume_from_checkpoint=checkpointing.mid_task_checkpoint(self, trainer.args,
                                                                                    context.task_index))
@@ -759,8 +832,16 @@ class ContinualLearner:
             trained = self.results.num_trained
         metrics: dict[str, dict[str, float]] = {}
         if is_main_process():
-            metrics = evaluator.evaluate(self.model, self.stream, self.image_processor, self.tokenizer,
-                                         batch_size=self.args.eval_batch_size, max_length=self.max_length,
-                                         trained=trained)
+            try:
+                metrics = evaluator.evaluate(self.model, self.stream, self.image_processor, self.tokenizer,
+                                             batch_size=self.args.eval_batch_size, max_length=self.max_length,
+                                             trained=trained)
+            except NonFiniteEmbeddingError as error:  # name the model evaluated and what is kept
+                model = ("the initial model" if trained == 0
+                         else f"the model after task {trained - 1} ({self.stream[trained - 1].name!r})")
+                last = self.state.last_checkpoint
+                kept = f"the last good checkpoint is kept at {last}" if last else "no checkpoint was written"
+                raise NonFiniteEmbeddingError(f"Non-finite embeddings of {model} (global step {self.global_step}; "
+                                              f"{kept}): {error}") from error
         barrier()
         return metrics

@@ -9,7 +9,9 @@ pushed late goes to its own branch only (``main`` keeps the newest task).
 Faults: every request has a bounded timeout (`bounded_hub_timeouts`; the default client has none and can hang
 forever); transient failures (connection errors, timeouts, 429 and 5xx answers) are retried with exponential
 backoff; a push that still fails does not stop training: it is kept pending, retried later, and reported by
-`HubPusher.finish()`. Pushes run on one background thread, in task order, so training goes on while they upload.
+`HubPusher.finish()`. A push whose replies were lost (the commit or the branch was made, the answer never came) is
+checked against the Hub before it counts as failed: the revision holds the checkpoint when its manifest equals the
+local one. Pushes run on one background thread, in task order, so training goes on while they upload.
 Only the main process pushes. No token is ever written anywhere: the client reads it from `HF_TOKEN` or the login.
 """
 
@@ -30,7 +32,7 @@ from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, Revi
 from huggingface_hub.utils import _http as hub_http
 
 from .callbacks import TaskCallback
-from .checkpoint_files import verify_checkpoint
+from .checkpoint_files import MANIFEST, read_manifest, verify_checkpoint
 from .distributed import is_main_process
 
 logger = logging.getLogger(__name__)
@@ -247,17 +249,46 @@ class HubPusher:
                                         record)
             record.commit, record.error = commit, None
         except Exception as error:  # noqa: BLE001 (a failed push must never stop training)
-            record.error = f"{type(error).__name__}: {error}"
-            logger.warning("Push of task %d to %s failed; it will be retried later: %s", record.task_index,
-                           self.repo_id, record.error)
+            confirmed = self._on_hub(record)
+            if confirmed is not None:  # the replies were lost, the writes were made
+                record.commit, record.error = confirmed, None
+                logger.info("Push of task %d to %s: no answer to %s, but the Hub holds the checkpoint",
+                            record.task_index, self.repo_id, type(error).__name__)
+            else:
+                record.error = f"{type(error).__name__}: {error}"
+                logger.warning("Push of task %d to %s failed; it will be retried later: %s", record.task_index,
+                               self.repo_id, record.error)
         finally:
             record.seconds += time.perf_counter() - started
 
+    def _on_hub(self, record: PushRecord) -> str | None:
+        """The commit of branch `task-<k>` when it holds `record`'s checkpoint (the same manifest as the local
+        folder) and, for the newest task, `main` does too; None otherwise (or when the Hub cannot be read)."""
+        branch = TASK_BRANCH.format(index=record.task_index)
+        local = Path(record.folder) / MANIFEST
+        revisions = [branch] + (["main"] if record.task_index > self._newest_on_main else [])
+        commit = None
+        try:
+            for revision in revisions:
+                info = self.api.model_info(self.repo_id, revision=revision)
+                remote = self.api.hf_hub_download(self.repo_id, MANIFEST, revision=info.sha)
+                if Path(remote).read_bytes() != local.read_bytes():
+                    return None
+                commit = commit or info.sha
+        except Exception:  # noqa: BLE001 (not there, or the Hub cannot be read: not confirmed)
+            return None
+        self._repo_ready = True
+        if "main" in revisions:
+            self._newest_on_main = record.task_index
+        return commit
+
     def _upload(self, folder: str, revision: str, message: str) -> str:
         """Commit `folder` as the whole content of `revision` (files not in it are deleted); the commit id."""
+        manifest = read_manifest(Path(folder))
+        listed = None if manifest is None else [MANIFEST, *manifest["files"]]  # never files placed there later
         info = self.api.upload_folder(
             repo_id=self.repo_id, folder_path=folder, revision=revision, commit_message=message,
-            delete_patterns="*", ignore_patterns=["*.partial/*"],
+            delete_patterns="*", ignore_patterns=["*.partial/*"], allow_patterns=listed,
         )
         return info.oid
 

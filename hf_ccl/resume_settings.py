@@ -1,8 +1,9 @@
 """What a resumed run must share with the run it continues, and the readable diff when it does not.
 
 Every task checkpoint stores the run's `settings` (`run_settings`): seed, the training section, methods and their
-options, the compute rules, the evaluation subsample (`eval_max_examples`), and the stream (task names, sources and a signature of each task's data, so that a changed
-`max_train_per_task` or another data file is caught). A resume compares them key by key (`settings_diff`) and refuses
+options, the compute rules, the evaluation subsample (`eval_max_examples`), and the stream (task names, sources, a
+signature of each task's rows and one of its labels, classes and templates, so that a changed `max_train_per_task`,
+`label_space` or data file is caught). A resume compares them key by key (`settings_diff`) and refuses
 any difference not named in `resume_allow_changes` (dotted keys, `fnmatch` patterns allowed); allowed ones are
 recorded as `resume_changes` in the next checkpoints (and shown in the model card).
 
@@ -42,6 +43,19 @@ def data_signature(dataset: Any) -> dict[str, Any]:
     return {"rows": len(dataset), "image_ids": digest}
 
 
+def label_signature(task: Any) -> dict[str, Any]:
+    """What a task's texts are made of besides its rows: its kind, class names, prompt templates and the labels of
+    its rows (another `label_space`, class order or template set changes what is trained and scored)."""
+    parts: dict[str, Any] = {"kind": task.kind, "classes": task.class_names, "train_templates": task.train_templates,
+                             "eval_templates": task.eval_templates}
+    for split in ("train", "eval"):
+        dataset = getattr(task, split)
+        if not is_streaming(dataset) and "label" in dataset.column_names:
+            parts[f"{split}_labels"] = [int(value) for value in dataset["label"]]
+    return {"digest": hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16],
+            "classes": len(task.class_names) if task.class_names else None}
+
+
 def run_settings(args: Any, stream: TaskStream, methods: Iterable[Any]) -> dict[str, Any]:
     """What a resume must match: from `ContinualArguments`, the stream and the methods."""
     methods = list(methods)
@@ -65,7 +79,7 @@ def run_settings(args: Any, stream: TaskStream, methods: Iterable[Any]) -> dict[
             "name": stream.name,
             "tasks": [
                 {"name": task.name, "source": task.source, "train": data_signature(task.train),
-                 "eval": data_signature(task.eval)}
+                 "eval": data_signature(task.eval), "labels": label_signature(task)}
                 for task in stream
             ],
         },
@@ -92,12 +106,15 @@ def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
 
 
 _MISSING = "<not set>"
+#: Settings that checkpoints of earlier hf_ccl versions did not store: not compared when the saved run lacks them.
+_ADDED_LATER = re.compile(r"stream\.tasks\.\d+\.labels(\..*)?$")
 
 
 def settings_diff(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
     """`(dotted key, saved value, value now)` for every key whose value differs (keys saved only by a newer or older
     hf_ccl on one side are compared as well: absent shows as `<not set>`)."""
     old, new = flatten(saved), flatten(now)
+    new = {key: value for key, value in new.items() if key in old or not _ADDED_LATER.match(key)}
     keys = sorted(set(old) | set(new))
     return [(key, old.get(key, _MISSING), new.get(key, _MISSING)) for key in keys
             if old.get(key, _MISSING) != new.get(key, _MISSING)]
@@ -110,7 +127,7 @@ def allowed(key: str, patterns: Iterable[str]) -> bool:
     return any(fnmatch.fnmatchcase(prefix, pattern) for pattern in patterns for prefix in prefixes)
 
 
-_DATA_KEY = re.compile(r"stream\.tasks\.(\d+)\.(train|eval)\.(rows|image_ids|streaming)$")
+_DATA_KEY = re.compile(r"stream\.tasks\.(\d+)\.(train|eval|labels)\.(rows|image_ids|streaming|digest|classes)$")
 
 
 def describe_diff(changes: list[tuple[str, Any, Any]]) -> tuple[str, list[str]]:
@@ -126,10 +143,13 @@ def describe_diff(changes: list[tuple[str, Any, Any]]) -> tuple[str, list[str]]:
         data_tasks.append(int(match.group(1)))
         if match.group(3) == "rows":
             rows.append(f"task {match.group(1)} {match.group(2)} rows {saved} -> {now}")
+        elif match.group(3) == "classes":
+            rows.append(f"task {match.group(1)} classes {saved} -> {now}")
     if data_tasks:
         tasks = sorted(set(data_tasks))
         detail = f" ({', '.join(rows[:3])}{', ...' if len(rows) > 3 else ''})" if rows else ""
         entries.append(f"stream.tasks: the data of task(s) {tasks} differs{detail}; the stream's options "
-                       "(max_train_per_task, max_eval_per_task, the seed that draws them) or its data files changed")
+                       "(max_train_per_task, max_eval_per_task, label_space, templates, the seed that draws them) or "
+                       "its data files changed")
         keys.append("stream.tasks")
     return "; ".join(entries), keys

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,8 @@ from huggingface_hub.utils import validate_repo_id
 from transformers import AutoImageProcessor, PreTrainedTokenizerBase
 from transformers.utils import cached_file
 
-from .compute import compute_summary
+from .checkpointing import CHECKPOINT_STATE, check_same_architecture, latest_task_checkpoint
+from .compute import ComputeCallback, compute_summary
 from .config import RunConfig, save_config
 from .continual import ContinualArguments, ContinualLearner
 from .data.builders import check_builder_options
@@ -34,7 +37,10 @@ from .families import (
 )
 from .hub import PushFailedError
 from .methods import ContinualMethod, build_methods, check_methods
+from .methods.sizes import check_method_sizes, check_model_memory, model_skeleton
 from .modeling import ContinualDualEncoder
+from .paths import check_default_tokenizer
+from .run_folder import RunFolderError, RunFolderLock, check_run_folder
 from .validation import ConfigError, check_mapping, type_hints
 
 logger = logging.getLogger(__name__)
@@ -142,6 +148,8 @@ class CheckedRun:
     config: RunConfig
     args: ContinualArguments
     methods: list[ContinualMethod]
+    #: When the run's start-up began (`time.time()`; `hf-ccl train`: the process's start); None: when `run` is called.
+    started_at: float | None = None
 
 
 def check_config(config: RunConfig, check_paths: bool = True) -> CheckedRun:
@@ -162,7 +170,30 @@ def check_config(config: RunConfig, check_paths: bool = True) -> CheckedRun:
             check_family_methods(family, methods)
         except ValueError as error:
             raise ConfigError(str(error), "methods") from None
+    where = "model.pretrained" if config.model.get("pretrained") else "model.config"
+    try:  # the run's model on the meta device: its sizes, nothing allocated
+        skeleton = model_skeleton(config.model)
+    except (RuntimeError, OverflowError) as error:  # sizes whose tensors overflow even on the meta device
+        raise ConfigError(f"{where} describes a model that cannot be built: {error}", where) from error
+    if skeleton is not None:
+        check_model_memory(skeleton, where)
+        check_method_sizes(config.model, methods, skeleton)
+        if check_paths and is_main_process():
+            check_resumed_model(config, skeleton)
     return CheckedRun(config, args, methods)
+
+
+def check_resumed_model(config: RunConfig, skeleton: torch.nn.Module) -> None:
+    """A resume from a local task checkpoint whose model is of another family or size than the one the config
+    builds: refused now (naming the difference), not when the weights fail to load."""
+    if config.resume_from_checkpoint in (None, False):
+        return
+    request = config.resume_from_checkpoint
+    folder = Path(request) if isinstance(request, str) and request != "auto" else Path(config.output_dir)
+    if not (folder / CHECKPOINT_STATE).is_file():
+        folder = latest_task_checkpoint(folder, warn=False)
+    if folder is not None and (folder / "config.json").is_file():
+        check_same_architecture(skeleton.config, folder)
 
 
 def check_stream(config: RunConfig) -> None:
@@ -210,11 +241,28 @@ def check_local_paths(config: RunConfig) -> None:
         config.model["pretrained"] = check_source("model.pretrained", pretrained, "config.json")
     if config.tokenizer is not None:
         config.tokenizer = check_source("tokenizer", config.tokenizer, None)
+    elif pretrained is None:  # the default tokenizer: the shared folder's, else the Hub's (a pip install)
+        try:
+            check_default_tokenizer()
+        except OSError as error:
+            raise ConfigError(str(error), "tokenizer") from error
     if config.data_root is not None and not Path(config.data_root).expanduser().is_dir():
         raise ConfigError(f"data_root: no such folder {config.data_root!r} (the folder of the HF dataset folders)",
                           "data_root")
     if Path(config.output_dir).expanduser().is_file():
         raise ConfigError(f"output_dir {config.output_dir!r} is a file, not a folder", "output_dir")
+    existing = Path(config.output_dir).expanduser().absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if is_main_process() and not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"output_dir {config.output_dir!r} cannot be written: {existing} is read-only (a read-only "
+                          "disk, or no permission)", "output_dir")
+    if is_main_process():  # another run in the folder: refused now, not after the run is built
+        try:
+            check_run_folder(Path(config.output_dir), resume=config.resume_from_checkpoint not in (None, False),
+                             overwrite=config.overwrite_output_dir)
+        except RunFolderError as error:
+            raise ConfigError(str(error), "output_dir") from None
 
 
 def check_source(key: str, value: str, required_file: str | None) -> str:
@@ -245,20 +293,35 @@ def looks_local(value: str) -> bool:
 
 def run(config: RunConfig | CheckedRun) -> ResultsMatrix:
     """Build stream, model and processors, run the stream with the checked methods and arguments, return the results
-    matrix. A `RunConfig` is checked first (`check_config`); a `CheckedRun` is run as it was checked."""
+    matrix. A `RunConfig` is checked first (`check_config`); a `CheckedRun` is run as it was checked. The run's
+    start-up cost (`hf_ccl.compute.RunPhases`) counts from the `CheckedRun`'s `started_at`, else from this call."""
+    called_at = time.time()
     # everything is checked before the stream is built or anything is written
     checked = config if isinstance(config, CheckedRun) else check_config(config)
+    config = checked.config
+    lock = RunFolderLock(config.output_dir)
+    created = not Path(config.output_dir).exists()
+    if is_main_process():  # held from before the run is built until it has reported: no other run slips in
+        lock.acquire()
+    try:
+        return _run_locked(checked, lock, called_at)
+    finally:
+        lock.release(remove_if_alone=created)  # a run that failed before writing anything leaves nothing
+
+
+def _run_locked(checked: CheckedRun, lock: RunFolderLock, called_at: float) -> ResultsMatrix:
     config = checked.config
     stream = build_run_stream(config)
     model = load_model(config)
     image_processor, tokenizer = load_processors(config, model)
     learner = ContinualLearner(model, stream, checked.methods, image_processor, tokenizer, checked.args)
-    learner.claim_output_dir()  # locked, and not another run's folder, before anything is written there
+    learner.started_at = checked.started_at if checked.started_at is not None else called_at
+    learner.claim_output_dir(lock)  # not another run's folder, before anything is written there
     if is_main_process():
         save_config(config, Path(config.output_dir) / "run_config.yaml")
     results = learner.fit()
     if learner.compute and is_main_process():
-        print(compute_summary(learner.compute), flush=True)
+        print(compute_summary(learner.compute, learner.task_callbacks.get(ComputeCallback).run), flush=True)
     report = learner.push_report
     if report is not None and is_main_process():
         if report.failed:  # after training and every local checkpoint: the run did not do all it was asked

@@ -45,6 +45,13 @@ logger = logging.getLogger(__name__)
 
 PositionInit = Literal["last", "normal"]
 POSITION_INITS = ("last", "normal")
+#: The largest vocabulary trained for one language (`grow_vocab`'s `vocab_size`): 4x the largest vocabularies of
+#: released CLIP-family tokenizers (SigLIP 2's Gemma 262,144; AltCLIP's XLM-R 250,002). Beyond it the tokenizers
+#: trainer reserves memory for the size asked, and aborts the process at 10^9.
+MAX_LANGUAGE_VOCAB = 2**20
+#: The longest text context a model can be grown to (`set_context_length`): the longest of released CLIP-style text
+#: towers (jina-clip-v2, 8,192 tokens; CLIP 77, SigLIP 64, Long-CLIP 248). Attention memory grows with its square.
+MAX_CONTEXT_LENGTH = 8192
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -305,22 +312,44 @@ def extend_tokenizer(
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def position_table_path(model: nn.Module) -> str:
+    """The dotted name of the text tower's position embedding: beside the token embedding (`token_embedding_path`),
+    named `position_embedding` (CLIP, SigLIP, MetaCLIP 2) or `position_embeddings` (AltCLIP's RoBERTa,
+    Chinese-CLIP's BERT)."""
+    token_path = getattr(model, "token_embedding_path", "text_model.embeddings.token_embedding")
+    parent = token_path.rpartition(".")[0]
+    for name in ("position_embedding", "position_embeddings"):
+        path = f"{parent}.{name}"
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(module, nn.Embedding):
+            return path
+    raise ValueError(f"{type(model).__name__} has no learned text position table beside {token_path}: its context "
+                     "cannot grow")
+
+
 def resize_position_embeddings(model: nn.Module, length: int, init: PositionInit = "last", seed: int = 0) -> None:
-    """Grow a CLIP text tower's position embedding to `length` rows; the old rows are kept bit-identical.
+    """Grow the text tower's position embedding so that it takes `length` tokens; the old rows are kept bit-identical.
 
     New positions are initialised as copies of the last trained position (`init="last"`: a frozen text tower then
     treats every position beyond the old limit like its last one) or i.i.d. N(mean, std²) with the scalar mean and
-    std of the existing table (`"normal"`, TEIR's rule of spec §3.1 applied to positions). Shrinking is an error.
-    The config (`text_config.max_position_embeddings`) and the `position_ids` buffer follow.
+    std of the existing table (`"normal"`, TEIR's rule of spec §3.1 applied to positions). Shrinking is an error,
+    and so is a context beyond `MAX_CONTEXT_LENGTH`. RoBERTa-style towers (AltCLIP) number positions from their
+    padding id + 1, so their table keeps that many rows more than the tokens it takes (`max_text_positions`). The
+    config (`max_position_embeddings`) and the `position_ids` / `token_type_ids` buffers follow.
     """
     if init not in POSITION_INITS:
         raise ValueError(f"init must be one of {list(POSITION_INITS)}, got {init!r}")
-    embeddings = model.text_model.embeddings
-    if not isinstance(getattr(embeddings, "position_embedding", None), nn.Embedding):
-        raise ValueError(f"growing the context needs a CLIP-style text position table (clip, metaclip_2, siglip); "
-                         f"{type(model).__name__} has none")
-    old = embeddings.position_embedding
-    current = old.num_embeddings
+    check_context_length(length)
+    path = position_table_path(model)
+    embeddings_path, _, name = path.rpartition(".")
+    embeddings = model.get_submodule(embeddings_path)
+    old: nn.Embedding = getattr(embeddings, name)
+    rows = old.num_embeddings
+    offset = rows - int(getattr(model, "max_text_positions", rows))  # rows before the first token's position
+    current = rows - offset
     if length < current:
         raise ValueError(f"Cannot shrink the context from {current} to {length} positions")
     if length == current:
@@ -328,24 +357,43 @@ def resize_position_embeddings(model: nn.Module, length: int, init: PositionInit
     weight = old.weight.detach()
     added = length - current
     if init == "last":
-        rows = weight[-1:].expand(added, -1).clone()
+        new_rows = weight[-1:].expand(added, -1).clone()
     else:
         generator = torch.Generator().manual_seed(seed)
         mean, std = weight.float().mean().item(), weight.float().std().item()
-        rows = torch.normal(mean, std, (added, weight.shape[1]), generator=generator).to(weight.dtype)
-    grown = nn.Embedding(length, weight.shape[1], device=weight.device, dtype=weight.dtype)
+        new_rows = torch.normal(mean, std, (added, weight.shape[1]), generator=generator).to(weight.dtype)
+    grown = nn.Embedding(length + offset, weight.shape[1], padding_idx=old.padding_idx, device=weight.device,
+                         dtype=weight.dtype)
     with torch.no_grad():
-        grown.weight[:current] = weight
-        grown.weight[current:] = rows.to(weight.device)
+        grown.weight[:rows] = weight
+        grown.weight[rows:] = new_rows.to(weight.device)
     grown.weight.requires_grad_(old.weight.requires_grad)
-    embeddings.position_embedding = grown
-    embeddings.position_ids = torch.arange(length, device=weight.device).expand((1, -1))
-    configs = {id(model.config.text_config): model.config.text_config}
-    text_config = getattr(model.text_model, "config", None)
-    if text_config is not None:
-        configs[id(text_config)] = text_config
-    for config in configs.values():
-        config.max_position_embeddings = length
+    setattr(embeddings, name, grown)
+    for buffer in ("position_ids", "token_type_ids"):
+        previous = getattr(embeddings, buffer, None)
+        if isinstance(previous, torch.Tensor):  # non-persistent buffers of (1, rows); token types all 0
+            values = torch.arange(length + offset) if buffer == "position_ids" else torch.zeros(length + offset)
+            setattr(embeddings, buffer, values.to(previous.device, previous.dtype).expand((1, -1)))
+    for config in _text_configs(model):
+        config.max_position_embeddings = length + offset
+
+
+def _text_configs(model: nn.Module) -> list[Any]:
+    """Every distinct config object of the text tower (the model's `text_config`, the text model's own, an inner
+    encoder's), so that `max_position_embeddings` stays the same in all of them."""
+    found = {id(model.config.text_config): model.config.text_config}
+    for module in model.text_model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "max_position_embeddings"):
+            found[id(config)] = config
+    return list(found.values())
+
+
+def check_context_length(length: int, key: str = "context_length") -> None:
+    """A `ValueError` naming `key` unless 2 <= `length` <= `MAX_CONTEXT_LENGTH`."""
+    if not 2 <= length <= MAX_CONTEXT_LENGTH:
+        raise ValueError(f"{key} must be in [2, {MAX_CONTEXT_LENGTH}] (BOS and EOS need 2; {MAX_CONTEXT_LENGTH} is "
+                         f"the longest text context of released CLIP-style models), got {length}")
 
 
 def set_context_length(
@@ -353,8 +401,6 @@ def set_context_length(
 ) -> None:
     """Make the text tower and the tokenizer take `length` tokens (BOS and EOS included): grows the position
     embedding (`resize_position_embeddings`, old rows unchanged) and sets `tokenizer.model_max_length`."""
-    if length < 2:
-        raise ValueError(f"A context needs at least 2 positions (BOS and EOS), got {length}")
     resize_position_embeddings(model, length, init=init, seed=seed)
     tokenizer.model_max_length = length
 

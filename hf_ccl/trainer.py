@@ -21,18 +21,32 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from .accumulation import Batch, accumulated_backward
 from .checkpoint_files import write_manifest
 from .class_prompts import CROSS_ENTROPY_TERM, ClassPrompts, class_prompt_loss
-from .distributed import is_main_process, rank
+from .distributed import check_distributed_trainer, check_sharded_loader, is_main_process, rank
 from .methods.base import ContinualMethod, TaskContext
 from .methods.state import load_method_states, save_method_states
+from .step_meter import StepMeter
 
 CONTRASTIVE_TERM = "contrastive"
 #: Sub-folder of a Trainer checkpoint (`checkpoint-<step>/`) with the methods' and the collator's mid-task state.
 MID_TASK_STATE = "hf_ccl"
+#: Per-process file (`<name><rank>.json`) of a mid-task checkpoint with the task's step counts so far.
+STEP_METER_FILE = "step_meter_rank"
 MAX_LOGIT_SCALE = math.log(100.0)  # OpenAI CLIP clamps exp(logit_scale) at 100; transformers does not
+SHOWN_NAMES = 5  # non-finite weights or outputs named in an error
 
 
-class NonFiniteLossError(FloatingPointError):
+class NonFiniteError(FloatingPointError):
+    """Training produced NaN or infinite values; the message names the task and the step."""
+
+
+class NonFiniteLossError(NonFiniteError):
     """The loss became NaN or infinite; the message names the task, the first non-finite step and its terms."""
+
+
+class NonFiniteModelError(NonFiniteError):
+    """The model's weights, or its outputs on the last training batch, became NaN or infinite after an update whose
+    loss was finite (the last update of a task overflowed); the message names the task, the step and what is not
+    finite."""
 
 
 class NonFiniteWatch:
@@ -77,8 +91,9 @@ class MethodHooksCallback(TrainerCallback):
         model = trainer.unwrapped_model()
         if trainer.context is not None:
             trainer.context.global_step = state.global_step
-        for method in trainer.methods:
-            method.pre_optimizer_step(model, trainer.context)
+        with trainer.step_meter.hooks():
+            for method in trainer.methods:
+                method.pre_optimizer_step(model, trainer.context)
         return control
 
     def on_optimizer_step(self, args, state, control, **kwargs):  # noqa: ANN001 (Trainer callback protocol)
@@ -87,8 +102,9 @@ class MethodHooksCallback(TrainerCallback):
         the gradients of the methods' own parameters (the Trainer's `model.zero_grad()` does not reach them).
         Each method's `post_optimizer_step` runs first."""
         model = self.trainer.unwrapped_model()
-        for method in self.trainer.methods:
-            method.post_optimizer_step(model, self.trainer.context)
+        with self.trainer.step_meter.hooks():
+            for method in self.trainer.methods:
+                method.post_optimizer_step(model, self.trainer.context)
         for method in self.trainer.methods:
             for parameter in method.optimizer_parameters():
                 parameter.grad = None
@@ -114,10 +130,15 @@ class ContinualTrainer(Trainer):
     after the first non-finite one), before any checkpoint is saved (a non-finite model is never saved) and when the
     task's training ends or fails (an error a method raised on NaN gradients is then reported as the non-finite
     loss it came from). With `logging_strategy="no"` the delay is up to the next checkpoint or the end of the task.
+    An update that overflows after a finite loss (the last one of a task: no later loss shows it) is found by
+    `NonFiniteModelError`: every weight and the model's outputs on the last training batch are checked when the
+    task's training ends and before any checkpoint is saved (one host sync each), so such a model is neither
+    evaluated nor saved.
 
     Gradient accumulation is exact for the contrastive loss and every method term (`hf_ccl.accumulation`): the
     micro-batches of one optimizer step are kept until the last one arrives, and the loss is computed once over
     all of them, so `per_device_train_batch_size=32, gradient_accumulation_steps=2` trains as `64 x 1` does.
+    Every micro-batch's rows and every step's MACs are counted (`step_meter`, `hf_ccl.step_meter`).
     Mixed precision (`bf16`/`fp16`) covers the whole loss computation, the methods' teachers and momentum models
     included, not only the model's forward. Methods always see the unwrapped model (no DDP or `torch.compile`
     wrapper, so their parameter names are the model's own).
@@ -136,6 +157,7 @@ class ContinualTrainer(Trainer):
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
+        check_distributed_trainer(self.args)  # several processes are one DDP run, or refused before training
         self.methods = list(methods)
         self.context = context
         # Our loss is a per-batch mean, not normalised by `num_items_in_batch`: let the Trainer scale it for
@@ -144,8 +166,12 @@ class ContinualTrainer(Trainer):
         self._term_sums: dict[str, torch.Tensor] = {}
         self._metric_sums: dict[str, torch.Tensor | float] = {}
         self._watch = NonFiniteWatch(self.args.device)
+        #: The last micro-batch trained on: the model's outputs on it are checked to be finite after the last update.
+        self._last_batch: Batch | None = None
         self._term_count = 0
         self._pending_chunks: list[Batch] = []  # micro-batches of the optimizer step in progress
+        #: Rows batched and MACs of this process's steps (`hf_ccl.step_meter`; summed over processes by the loop).
+        self.step_meter = StepMeter()
         if self.args.gradient_accumulation_steps > 1 and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
             raise ValueError(
                 "gradient_accumulation_steps > 1 is not supported with DeepSpeed or FSDP: hf_ccl's exact contrastive "
@@ -212,17 +238,29 @@ class ContinualTrainer(Trainer):
         next task's Trainer would then skip compiling and wrapping it."""
         self._watch = NonFiniteWatch(self.args.device)
         try:
-            output = super().train(*args, **kwargs)
-        except NonFiniteLossError:
-            raise
-        except Exception as error:  # e.g. a method's solver on NaN gradients: report the loss it came from
-            self._raise_if_non_finite(f"when training failed with {type(error).__name__}: {error}", error, gather=False)
-            raise
+            try:
+                output = super().train(*args, **kwargs)
+            except NonFiniteError:
+                raise
+            except Exception as error:  # e.g. a method's solver on NaN gradients: report the loss it came from
+                self._raise_if_non_finite(f"when training failed with {type(error).__name__}: {error}", error,
+                                          gather=False)
+                raise
+            finally:
+                model = self.accelerator.unwrap_model(self.model_wrapped, keep_fp32_wrapper=False,
+                                                      keep_torch_compile=False)
+                model.__dict__.pop("_is_accelerate_prepared", None)
+            self._raise_if_non_finite("when the task's training ended")
+            self._raise_if_non_finite_model("when the task's training ended")
         finally:
-            model = self.accelerator.unwrap_model(self.model_wrapped, keep_fp32_wrapper=False, keep_torch_compile=False)
-            model.__dict__.pop("_is_accelerate_prepared", None)
-        self._raise_if_non_finite("when the task's training ended")
+            self._last_batch = None  # not kept past the task
         return output
+
+    def get_train_dataloader(self) -> Any:
+        """The Trainer's DataLoader, refused when several processes would all read the same batches."""
+        loader = super().get_train_dataloader()
+        check_sharded_loader(loader, self.train_dataset)
+        return loader
 
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager:
         """The run's autocast (bf16/fp16) around the whole loss: accelerate only wraps the model's own forward, and
@@ -238,6 +276,7 @@ class ContinualTrainer(Trainer):
         """One micro-batch. Before the last micro-batch of an optimizer step, it is only kept (and 0 is returned);
         the last one runs forward and backward over all of them (`hf_ccl.accumulation`), so the loss and every
         method term see the whole accumulated batch. Returns the loss of that batch."""
+        self.step_meter.batch(inputs)
         if not self.accelerator.gradient_state.sync_gradients:
             self._pending_chunks.append(inputs)
             return torch.zeros((), device=self.args.device)
@@ -245,15 +284,17 @@ class ContinualTrainer(Trainer):
             self.context.global_step = self.state.global_step
         chunks = [self._prepare_inputs(chunk) for chunk in (*self._pending_chunks, inputs)]
         self._pending_chunks = []
+        self._last_batch = chunks[-1]
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
-        if len(chunks) == 1:
-            with self.compute_loss_context_manager():
-                loss = self.compute_loss(model, chunks[0])
-            self.accelerator.backward(loss)
-        else:
-            loss = self._accumulated_step(model, chunks)
+        with self.step_meter.step(chunks):
+            if len(chunks) == 1:
+                with self.compute_loss_context_manager():
+                    loss = self.compute_loss(model, chunks[0])
+                self.accelerator.backward(loss)
+            else:
+                loss = self._accumulated_step(model, chunks)
         empty_every = self.args.torch_empty_cache_steps
         if empty_every is not None and self.state.global_step % empty_every == 0:
             clear_device_cache()
@@ -343,12 +384,58 @@ class ContinualTrainer(Trainer):
         values = mine[1] if mine is not None and mine[0] == step else None
         raise self._non_finite_error(step, values, found) from cause
 
-    def _non_finite_error(self, step: int, values: dict[str, float] | None, found: str) -> NonFiniteLossError:
+    def _raise_if_non_finite_model(self, found: str) -> None:
+        """Raise `NonFiniteModelError` if a weight (the model's or a method's) or the model's output on the last
+        training batch is not finite, on any process (every process must call it). The loss check cannot see this:
+        it reads the loss before the update. Reads the device once: a host sync."""
+        model = self.unwrapped_model()
+        names, flags = finite_flags(model, self.methods)
+        outputs = self._outputs_on_last_batch(model)
+        names += [f"output {name} on the last training batch" for name in outputs]
+        flags += [torch.isfinite(value).all() for value in outputs.values()]
+        if not flags:
+            return
+        flags = torch.stack([flag.to(self.args.device) for flag in flags]).to(torch.uint8)
+        if self.args.world_size > 1:
+            flags = self.accelerator.gather(flags.unsqueeze(0)).amin(dim=0)
+        bad = [name for name, ok in zip(names, flags.tolist(), strict=True) if not ok]
+        if not bad:
+            return
+        shown = ", ".join(bad[:SHOWN_NAMES]) + (f", ... ({len(bad)} in all)" if len(bad) > SHOWN_NAMES else "")
+        raise NonFiniteModelError(
+            f"Non-finite model at {self._where(self.state.global_step)}: {shown} hold NaN or infinite values, "
+            f"although the loss was finite (an update overflowed; found {found}). Nothing of it was saved. Lower "
+            "training.learning_rate (or set training.max_grad_norm) and resume: resume_from_checkpoint=auto "
+            "'resume_allow_changes=[training.learning_rate]'"
+        )
+
+    @torch.no_grad()
+    def _outputs_on_last_batch(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The model's outputs (towers' features, or a pair batch's learner outputs) on the last micro-batch trained
+        on, in eval mode under the run's autocast; empty when no step ran."""
+        if self._last_batch is None:
+            return {}
+        was_training = model.training
+        model.eval()
+        try:
+            with self.compute_loss_context_manager():
+                outputs = model(**self._last_batch, features_only=True)
+        finally:
+            model.train(was_training)
+        return {name: value for name, value in outputs.items()
+                if isinstance(value, torch.Tensor) and value.is_floating_point()}
+
+    def _where(self, step: int) -> str:
+        """Where a non-finite value was found: the task, the step and the last good checkpoint."""
         where = f"step {step}"
         if self.context is not None:
             where = f"task {self.context.task_index} ({self.context.task.name!r}), {where}"
             last = self.context.last_checkpoint
             where += f"; the last good checkpoint is kept at {last}" if last else "; no checkpoint was written yet"
+        return where
+
+    def _non_finite_error(self, step: int, values: dict[str, float] | None, found: str) -> NonFiniteLossError:
+        where = self._where(step)
         terms = "recorded on another process" if values is None else ", ".join(
             f"{name}={value:.4g}" for name, value in values.items())
         return NonFiniteLossError(
@@ -374,12 +461,16 @@ class ContinualTrainer(Trainer):
         if callable(sampler):
             path = folder / f"collator_rank{rank()}.json"
             path.write_text(json.dumps(sampler()), encoding="utf-8")
+        (folder / f"{STEP_METER_FILE}{rank()}.json").write_text(json.dumps(self.step_meter.state_dict()),
+                                                                 encoding="utf-8")
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """The Trainer's checkpoint, then (once every process has written its files) its manifest, written last:
         a checkpoint without one was cut short and is skipped on resume (`hf_ccl.checkpoint_files`). A model that
-        trained on a non-finite loss is never saved: `NonFiniteLossError` instead."""
+        trained on a non-finite loss, or whose weights or outputs are not finite, is never saved:
+        `NonFiniteLossError` / `NonFiniteModelError` instead."""
         self._raise_if_non_finite(f"before saving {PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        self._raise_if_non_finite_model(f"before saving {PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         super()._save_checkpoint(model, trial)
         self.accelerator.wait_for_everyone()
         folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
@@ -394,6 +485,35 @@ class ContinualTrainer(Trainer):
             write_manifest(checkpoint_folder)
         super()._push_from_checkpoint(checkpoint_folder)
 
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """The interrupted task's optimizer and schedule state (moments, step), with this run's hyperparameters:
+        torch's `load_state_dict` would restore the saved groups' learning rate, weight decay and betas, so a change
+        a resume allowed (`resume_allow_changes=[training.learning_rate]`) would do nothing until the next task.
+        The schedule keeps its position; its base rates become this run's."""
+        fresh = [{key: value for key, value in group.items() if key != "params"}
+                 for group in self.optimizer.param_groups] if self.optimizer is not None else []
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None or not fresh:
+            return
+        changed = False
+        for group, values in zip(self.optimizer.param_groups, fresh, strict=True):
+            for key, value in values.items():
+                if key != "lr" and group.get(key) != value:
+                    group[key], changed = value, True
+        scheduler = self.lr_scheduler
+        if not changed or scheduler is None:
+            return
+        bases = [group["initial_lr"] for group in self.optimizer.param_groups]
+        if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+            scheduler.base_lrs = list(bases)
+            for group, base, factor in zip(self.optimizer.param_groups, bases, scheduler.lr_lambdas, strict=True):
+                group["lr"] = base * factor(scheduler.last_epoch)
+            scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        elif list(getattr(scheduler, "base_lrs", bases)) != bases:
+            raise ValueError(f"The interrupted task's schedule ({type(scheduler).__name__}) cannot take another "
+                             "learning rate mid-task: resume with the saved training.learning_rate, or from the "
+                             "task's start (remove its Trainer checkpoints)")
+
     def _load_rng_state(self, checkpoint: str | None) -> None:
         super()._load_rng_state(checkpoint)
         if checkpoint is None:
@@ -405,6 +525,7 @@ class ContinualTrainer(Trainer):
                 "written by hf_ccl (or is incomplete): delete it to restart the task from its beginning"
             )
         load_method_states(self.methods, folder)
+        self._load_step_meter(folder)
         path = folder / f"collator_rank{rank()}.json"
         loader = getattr(self.data_collator, "load_state_dict", None)
         if callable(loader) and path.exists():
@@ -412,6 +533,19 @@ class ContinualTrainer(Trainer):
                 loader(json.loads(path.read_text(encoding="utf-8")))
             except (ValueError, KeyError, TypeError) as error:
                 raise ValueError(f"Cannot read the caption sampler state {path}: {error}") from error
+
+    def _load_step_meter(self, folder: Path) -> None:
+        """The counts of the steps before the checkpoint; a checkpoint of an older version has none: its steps are
+        then counted as whole batches at the measured steps' mean MACs (`StepMeter.unmeasured_steps`)."""
+        path = folder / f"{STEP_METER_FILE}{rank()}.json"
+        if not path.exists():
+            self.step_meter.unmeasured_steps = self.state.global_step
+            return
+        try:
+            self.step_meter.load_state_dict(json.loads(path.read_text(encoding="utf-8")))
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ValueError(f"Cannot read the step counts {path} (truncated or corrupt?): {error}; delete the "
+                             "Trainer checkpoint to restart the task from its beginning") from error
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """The Trainer's log, after the non-finite check, with the window's means of the loss terms and metrics
@@ -426,6 +560,23 @@ class ContinualTrainer(Trainer):
             self._metric_sums.clear()
             self._term_count = 0
         super().log(logs, start_time)
+
+
+def finite_flags(
+    model: torch.nn.Module, methods: Sequence[ContinualMethod] = ()
+) -> tuple[list[str], list[torch.Tensor]]:
+    """The names of the model's floating-point parameters and the methods' own, and per parameter a device flag:
+    whether it is finite (a sharded parameter: this process's shard). Nothing is read back here."""
+    named = [*model.named_parameters(), *((f"{method.name}/{index}", parameter) for method in methods
+                                          for index, parameter in enumerate(method.optimizer_parameters()))]
+    names, flags = [], []
+    for name, parameter in named:
+        if not parameter.is_floating_point():
+            continue
+        local = parameter.to_local() if hasattr(parameter, "to_local") else parameter  # a DTensor's shard
+        names.append(f"weight {name}")
+        flags.append(torch.isfinite(local.detach()).all())
+    return names, flags
 
 
 def _metric_value(value: Any, key: str) -> torch.Tensor | float:

@@ -11,7 +11,9 @@ a trial `TrainingArguments` built (nothing is written) so that transformers' own
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
+import typing
 from collections.abc import Callable, Mapping
 from functools import lru_cache
 from typing import Any
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
+from .distributed import NotDistributedError, check_distributed_trainer, launch_defaults
 from .validation import (
     ConfigError,
     check_choice,
@@ -128,6 +131,30 @@ NEEDS: dict[str, tuple[Callable[[Mapping[str, Any]], bool], str]] = {
 NO_WARMUP_SCHEDULES = ("constant", "reduce_lr_on_plateau", "greedy")
 
 
+def default_training() -> dict[str, Any]:
+    """The training defaults of every run, from Python, YAML or the command line (a given `training` section extends
+    them, `with_training_defaults`): settings that train the tiny default CLIP, where TrainingArguments' own (batch 8,
+    lr 5e-5, linear, no warmup, no weight decay) train it poorly."""
+    return {
+        "num_train_epochs": 8,
+        "per_device_train_batch_size": 64,
+        "learning_rate": 1e-3,
+        "weight_decay": 0.1,
+        "warmup_steps": 0.1,
+        "lr_scheduler_type": "cosine",
+        "logging_steps": 10,
+    }
+
+
+def with_training_defaults(training: Mapping[str, Any]) -> dict[str, Any]:
+    """`training` over `default_training()`. The default warmup is left out when the given schedule takes none
+    (`NO_WARMUP_SCHEDULES`): a default never makes a given value refused."""
+    merged = {**default_training(), **training}
+    if "warmup_steps" not in training and merged.get("lr_scheduler_type") in NO_WARMUP_SCHEDULES:
+        merged.pop("warmup_steps")
+    return merged
+
+
 #: Annotations of TrainingArguments that say less than the field takes (`fsdp: str | None`, and its help says
 #: "fsdp=True").
 ANNOTATION_FIXES: dict[str, Any] = {"fsdp": bool | str | list[str] | None}
@@ -161,6 +188,7 @@ def check_training_args(training: Mapping[str, Any]) -> dict[str, Any]:
     for key in training:
         if key in REFUSED:
             raise ConfigError(f"training.{key} is not taken: {REFUSED[key]}", f"training.{key}")
+    training = {key: _yaml_no(key, value, fields[key]) for key, value in training.items()}
     checked = {key: check_value(f"training.{key}", value, fields[key]) for key, value in training.items()}
     for key, value in checked.items():
         if key in training_choices() and isinstance(value, str):
@@ -179,6 +207,18 @@ def check_training_args(training: Mapping[str, Any]) -> dict[str, Any]:
     check_fsdp(checked)
     _trial(checked)
     return checked
+
+
+def _yaml_no(key: str, value: Any, annotation: Any) -> Any:
+    """`False` for a field that takes "no" (its choices, or an enum with that value) is the YAML 1.1 reading of `no`
+    (`training.save_strategy=no`): "no"."""
+    if value is not False:
+        return value
+    choices = set(training_choices().get(key, ()))
+    for option in (annotation, *typing.get_args(annotation)):
+        if isinstance(option, type) and issubclass(option, enum.Enum):
+            choices |= {member.value for member in option}
+    return "no" if "no" in choices else value
 
 
 def _hashable(value: Any) -> bool:
@@ -291,9 +331,13 @@ def check_fsdp(training: Mapping[str, Any]) -> None:
 
 
 def _trial(training: Mapping[str, Any]) -> None:
-    """Build the TrainingArguments a task would get (nothing is written) so that transformers' own checks run now."""
-    values = {**LOOP_DEFAULTS, **training, "remove_unused_columns": False, "eval_strategy": "no"}
+    """Build the TrainingArguments a task would get (nothing is written) so that transformers' own checks run now, and
+    the check that launched processes train as one DDP run (`hf_ccl.distributed.check_distributed_trainer`)."""
+    values = {**LOOP_DEFAULTS, **launch_defaults(training), **training, "remove_unused_columns": False,
+              "eval_strategy": "no"}
     try:
-        TrainingArguments(output_dir="unused", **values)
+        check_distributed_trainer(TrainingArguments(output_dir="unused", **values))  # several processes: one DDP run
+    except NotDistributedError as error:
+        raise ConfigError(str(error), "training.use_cpu" if "use_cpu" in training else "training") from error
     except (ValueError, ImportError, OSError) as error:
         raise ConfigError(f"training: {error}") from error

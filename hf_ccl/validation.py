@@ -38,6 +38,33 @@ def redact_secrets(text: str) -> str:
     return _TOKEN.sub("hf_***", text)
 
 
+#: A value that is a Hugging Face token (`hf_` and 30 or more letters and digits; real ones have 34): refused in a
+#: config, where it would be written to run_config.yaml, the checkpoints and the cards.
+_TOKEN_VALUE = re.compile(r"hf_[A-Za-z0-9]{30,}")
+
+
+def check_no_tokens(values: Any, key: str = "") -> None:
+    """Refuse (`ConfigError` naming the key, never the value) a string anywhere in `values` (nested mappings,
+    sequences and dataclasses; keys too) that looks like a Hugging Face token: a config is saved with the run."""
+    if dataclasses.is_dataclass(values) and not isinstance(values, type):
+        values = {item.name: getattr(values, item.name) for item in dataclasses.fields(values)}
+    if isinstance(values, str):
+        if _TOKEN_VALUE.search(values):
+            where = key or "a config value"
+            raise ConfigError(
+                f"{where} holds what looks like a Hugging Face token: a token in the config would be written to "
+                "run_config.yaml, the checkpoints and the model cards. Remove it; give the token through HF_TOKEN or "
+                "`hf auth login`", key or None)
+    elif isinstance(values, Mapping):
+        for name, value in values.items():
+            child = f"{key}.{name}" if key else str(name)
+            check_no_tokens(str(name), key or "a config key")
+            check_no_tokens(value, child)
+    elif isinstance(values, _SEQUENCES):
+        for index, value in enumerate(values):
+            check_no_tokens(value, f"{key}[{index}]")
+
+
 # ----- types ---------------------------------------------------------------------------------------------------
 def describe(annotation: Any) -> str:
     """A short English description of what `annotation` accepts, for error messages."""

@@ -8,7 +8,7 @@
 
 import sys
 
-from hf_ccl.cli import main
+from hf_ccl.cli import main, process_start_time
 
 if __name__ == "__main__":
-    sys.exit(main(["train", *sys.argv[1:]]))
+    sys.exit(main(["train", *sys.argv[1:]], started_at=process_start_time()))

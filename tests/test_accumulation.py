@@ -1,6 +1,7 @@
 """Exact gradient accumulation: one optimizer step of 32 x 2 equals one of 64 x 1, for the contrastive loss and for
 every method's terms (`hf_ccl.accumulation`; the representative methods of `tests/method_matrix.py` by default,
-every method under `-m slow`)."""
+every method under `-m slow`). With randomness in the forward pass (dropout, noisy gating) the step's gradient is
+the gradient of the loss it computed, its random draws replayed chunk by chunk."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ import pytest
 import torch
 from method_matrix import PAIR_ONLY, REPRESENTATIVE_MATRIX, LogRecorder, run_method
 
-from hf_ccl.accumulation import accumulated_backward, concat_batches
+from hf_ccl.accumulation import RNGState, accumulated_backward, concat_batches
+from hf_ccl.data.task import TaskStream
 from hf_ccl.losses import clip_contrastive_loss
+from hf_ccl.methods import build_methods
+from hf_ccl.methods.base import TaskContext
+from hf_ccl.testing import random_image_inputs, tiny_model
 
 
 def test_concat_batches_pads_token_matrices_and_keeps_rows():
@@ -71,21 +76,109 @@ def test_accumulated_gradient_equals_the_whole_batch_gradient():
     assert accumulated["logit_scale"].abs() > 0 and accumulated["image.weight"].abs().sum() > 0
 
 
-@pytest.mark.parametrize("method", REPRESENTATIVE_MATRIX)  # every method under -m slow
-def test_every_method_trains_the_same_with_32x2_as_with_64x1(tmp_path, method):
-    """Two tasks with 2 SGD steps each: every parameter and every logged loss term of the first step of the second
-    task (where the teachers, penalties, buffers and queues are live) agree; the first loss is ln 64, not ln 32."""
+#: Every source of randomness in a training forward, at its default where it has one: MoE-Adapters' expert dropout
+#: and noisy gating, LoRA's dropout, and the dropout of AltCLIP's and Chinese-CLIP's BERT-style text towers.
+RANDOM_FORWARDS = {
+    "moe_adapters": ("clip", ["moe_adapters"], {"moe_adapters": {"num_experts": 4, "bottleneck": 4}}),
+    "lora": ("clip", ["lora"], {"lora": {"dropout": 0.1}}),
+    "altclip_text_dropout": ("altclip", ["finetune"], {}),
+    "chinese_clip_text_dropout": ("chinese_clip", ["finetune"], {}),
+}
+
+
+def _random_steps(case: str, tokenizer) -> dict[str, tuple[float, dict[str, torch.Tensor]]]:
+    """The loss and the gradients of one step on 8 examples in chunks of 4 + 4, each from the same generator state:
+    `replayed` (exact accumulation), `unreplayed` (the same without replaying the draws) and `graph` (the reference:
+    each chunk encoded once, with gradients, then the loss over all 8 back-propagated: the gradient of that loss)."""
+    family, names, options = RANDOM_FORWARDS[case]
+    model = tiny_model(family, seed=0, hidden_size=32, projection_dim=32, num_layers=1)
+    methods = build_methods(names, options)
+    context = TaskContext(task_index=0, task=None, stream=TaskStream("s", []), model=model, seed=0)
+    for method in methods:
+        method.on_task_start(context)
+    with torch.no_grad():  # the experts and routers start at zero, LoRA's B too: give the random paths a gradient
+        for name, param in model.named_parameters():
+            if param.requires_grad and ("moe_adapters." in name or "lora_B" in name):
+                param.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(len(name)))
+    model.train()
+    tokens = tokenizer([f"a photo of the digit {i}" for i in range(8)], padding=True, return_tensors="pt")
+    batch = {**model.text_inputs(tokens["input_ids"], tokens["attention_mask"]), **random_image_inputs(model, 8)}
+    chunks = [{key: value[rows] for key, value in batch.items()} for rows in (slice(0, 4), slice(4, 8))]
+
+    def encode(chunk):
+        outputs = model(**chunk, features_only=True)
+        return outputs.image_features, outputs.text_features
+
+    def batch_loss(merged, image, text):
+        outputs = model.contrastive_outputs(image, text, return_loss=True)
+        return outputs.loss + sum(value for method in methods
+                                  for value in method.loss_terms(model, merged, outputs, context).values())
+
+    steps = {}
+    restore = RNGState.restore
+    for mode in ("replayed", "graph", "unreplayed"):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(123)
+        if mode == "graph":
+            features = [encode(chunk) for chunk in chunks]
+            loss = batch_loss(batch, torch.cat([f[0] for f in features]), torch.cat([f[1] for f in features]))
+            loss.backward()
+        else:
+            if mode == "unreplayed":
+                RNGState.restore = lambda self: None
+            try:
+                loss = accumulated_backward(chunks, encode, batch_loss, list(model.parameters()),
+                                            lambda surrogate: surrogate.backward())
+            finally:
+                RNGState.restore = restore
+        steps[mode] = (float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()
+                                              if p.grad is not None})
+    return steps
+
+
+def _distance(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    """|grads - reference| / |reference| over every parameter."""
+    difference = sum(float((grads[name] - value).pow(2).sum()) for name, value in reference.items())
+    return math.sqrt(difference / sum(float(value.pow(2).sum()) for value in reference.values()))
+
+
+@pytest.mark.parametrize("case", sorted(RANDOM_FORWARDS))
+def test_with_random_forwards_the_step_is_the_gradient_of_the_loss_it_computed(case, clip_tokenizer):
+    """Dropout and noise on: 4 + 4 accumulated gives the loss of the no-grad pass and exactly the gradient of that
+    loss (the reference back-propagates it through one graph with the same draws). Without the replay the gradient is
+    another one (the draws matter: this test can fail)."""
+    steps = _random_steps(case, clip_tokenizer)
+    (loss, grads), (reference_loss, reference), (_, unreplayed) = (steps[m] for m in ("replayed", "graph", "unreplayed"))
+    assert loss == pytest.approx(reference_loss, rel=1e-6)
+    assert sorted(grads) == sorted(reference) and reference
+    for name, grad in reference.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert _distance(unreplayed, reference) > 1e-3, "no randomness reached the gradient"
+
+
+@pytest.fixture(scope="module", params=REPRESENTATIVE_MATRIX)  # every method under -m slow
+def method_runs(request, tmp_path_factory):
+    """A method's two-task run of 32 x 2 and of 64 x 1 (2 SGD steps per task), with their logs, by batch size."""
+    method = request.param
     if method in PAIR_ONLY:
         pytest.skip("pair tasks train one micro-batch per step; accumulation is refused (test_pair_tasks)")
     sgd = {"learning_rate": 0.5, "optim": "sgd", "weight_decay": 0.0, "lr_scheduler_type": "constant",
            "warmup_steps": 0}
+    folder = tmp_path_factory.mktemp(method)
     runs = {}
     for batch, steps in ((32, 2), (64, 1)):
         recorder = LogRecorder()
         training = {**sgd, "per_device_train_batch_size": batch, "gradient_accumulation_steps": steps}
-        learner = run_method(method, tmp_path / f"{batch}x{steps}", training, samples_per_task=128,
+        learner = run_method(method, folder / f"{batch}x{steps}", training, samples_per_task=128,
                              callbacks=[recorder])
         runs[batch] = (learner, recorder)
+    return method, runs
+
+
+def test_every_method_trains_the_same_with_32x2_as_with_64x1(method_runs):
+    """Two tasks with 2 SGD steps each: every parameter and every logged loss term of the first step of the second
+    task (where the teachers, penalties, buffers and queues are live) agree; the first loss is ln 64, not ln 32."""
+    _, runs = method_runs
     (accumulated, accumulated_logs), (whole, whole_logs) = runs[32], runs[64]
     first_loss = accumulated_logs.first_step(0).get("loss/contrastive")
     if first_loss is not None:  # a random CLIP scores near uniformly: the loss starts at ln(batch)
@@ -100,6 +193,43 @@ def test_every_method_trains_the_same_with_32x2_as_with_64x1(tmp_path, method):
     assert seen == [c.samples_seen for c in whole.compute] and seen[0] == 128  # (oracle trains t x C)
     for (name, mine), theirs in zip(accumulated.model.named_parameters(), whole.model.parameters(), strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_every_methods_checkpoint_loads_as_the_model_it_scored_the_way_its_card_says(method_runs):
+    """(Reusing the run above.) The last task's checkpoint, loaded as its model card says, scores exactly the run's
+    last row: with plain transformers (`AutoModel.from_pretrained`), or, for a method that keeps part of the model in
+    its state, with the loader it declares (`checkpoint_loader`), which the card then names. A new method whose
+    checkpoint drops state fails here until it declares its loader."""
+    import importlib
+
+    from transformers import AutoModel
+
+    from hf_ccl.evaluation import evaluate_task
+    from hf_ccl.methods import METHODS
+
+    method, runs = method_runs
+    learner = runs[64][0]
+    folder = learner.save_checkpoint(1)
+    card = (folder / "README.md").read_text(encoding="utf-8")
+    loader = METHODS[method].checkpoint_loader
+    if loader is None:
+        model = AutoModel.from_pretrained(folder)
+        assert "is not this revision's weights alone" not in card
+    else:
+        model = getattr(importlib.import_module(loader.module), loader.function)(folder)
+        assert f"from {loader.module} import {loader.function}" in card
+    images = random_image_inputs(learner.model, 4)
+    texts = learner.tokenizer(["a photo of a seven", "two dogs"], padding=True, return_tensors="pt")
+    learner.model.eval()
+    with torch.no_grad():
+        for mine, theirs in ((model.get_image_features(**images), learner.model.get_image_features(**images)),
+                             (model.get_text_features(**texts), learner.model.get_text_features(**texts))):
+            torch.testing.assert_close(mine.pooler_output, theirs.pooler_output, rtol=0, atol=0, msg=method)
+    row = learner.results.rows[-1].metrics
+    for task in learner.stream:
+        scores = evaluate_task(model, task, learner.image_processor, learner.tokenizer,
+                               batch_size=learner.args.eval_batch_size, max_length=learner.max_length)
+        assert scores[task.headline_metric] == row[task.name][task.headline_metric], (method, task.name)
 
 
 @pytest.mark.parametrize("methods", [["finetune"], ["er"]])

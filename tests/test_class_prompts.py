@@ -116,10 +116,8 @@ def test_cross_entropy_run_logs_its_term_and_learns(digits, tmp_path):
     terms = [log for log in logs if "loss/class_cross_entropy" in log]
     assert terms and not any("loss/contrastive" in log for log in logs)
     assert results.headline()[0, 0] > results.initial_headline()[0] + 10  # it learned task 0's two classes
-    (record,) = learner.compute  # the class prompts' passes are counted in the MACs, every step
-    assert record.step_macs > 0
-    assert record.macs == pytest.approx(record.samples_seen * record.forward_macs_per_sample *
-                                        record.forward_passes_per_sample + record.optimizer_steps * record.step_macs)
+    (record,) = learner.compute  # the class prompts' passes are measured in the MACs, every step
+    assert record.macs_measured and record.macs > 0
 
 
 def test_trainer_loss_is_eq1_of_the_models_embeddings(digits, tmp_path, clip_tokenizer):

@@ -7,6 +7,7 @@ import pytest
 from hf_ccl.config import RunConfig, available_recipes, load_config
 from hf_ccl.continual import ContinualArguments
 from hf_ccl.run import check_config
+from hf_ccl.safe_yaml import load_yaml
 
 
 def test_default_recipe_loads_with_overrides():
@@ -62,3 +63,36 @@ def test_every_shipped_recipe_passes_the_checks_made_before_training():
                 check_config(config)
         else:
             check_config(config)
+
+
+def _laughs(levels: int = 9) -> str:
+    """A flow list whose last item is a 'billion laughs': level k is 9 aliases of level k-1 (9^levels values)."""
+    names = [f"l{k}" for k in range(levels)]
+    items = [f"&{names[0]} [x, x, x, x, x, x, x, x, x]"]
+    items += [f"&{name} [{', '.join([f'*{previous}'] * 9)}]" for previous, name in zip(names[:-1], names[1:], strict=True)]
+    return f"[{', '.join(items)}]"
+
+
+def test_a_yaml_alias_bomb_is_refused_while_the_config_is_read(tmp_path, capsys):
+    """In a config file or an override value, as a user writes it: refused at once (exit 2), one line, nothing
+    written; aliases that expand to a sane size still work."""
+    import time
+
+    from hf_ccl.cli import main
+
+    path = tmp_path / "laughs.yaml"
+    path.write_text(f"stream: digits\noutput_dir: {tmp_path / 'run'}\ntraining:\n  report_to: {_laughs()}\n")
+    started = time.perf_counter()
+    assert main(["train", "--config", str(path)]) == 2
+    assert main(["train", f"output_dir={tmp_path / 'run'}", f"training.report_to={_laughs()}"]) == 2
+    assert main(["train", f"output_dir={tmp_path / 'run'}", "training.report_to=&loop [*loop]"]) == 2
+    assert time.perf_counter() - started < 5
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 3 and all(line.startswith("hf-ccl: error: ") for line in lines), lines
+    assert lines[0].startswith(f"hf-ccl: error: {path}: its YAML aliases (*name) expand to more than 1,000,000")
+    assert lines[1].startswith("hf-ccl: error: Override of training.report_to: its YAML aliases")
+    assert "contains it" in lines[2] and not (tmp_path / "run").exists()
+    path.write_text("stream: digits\nmethods: &m [finetune]\ntraining: {learning_rate: &lr 0.01, max_grad_norm: *lr}\n")
+    config = load_config(path)
+    assert config.methods == ["finetune"] and config.training["max_grad_norm"] == 0.01
+    assert len(load_yaml(_laughs(4), "test")[-1][0][0][0]) == 9  # 9^4 values: fine

@@ -21,6 +21,7 @@ from hf_ccl.config import (
     with_loop_fields,
 )
 from hf_ccl.continual import ContinualArguments
+from hf_ccl.training_options import default_training
 from hf_ccl.validation import ConfigError, type_hints
 
 #: The `ContinualArguments` of the default config, as the config gave them before the loop's fields were derived.
@@ -208,9 +209,9 @@ def test_every_loop_field_is_settable_from_yaml_and_from_an_override(tmp_path, i
     overrides = [f"{key}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
                  for key, v in {item.name: value, **companions}.items()]
     from_override = load_config("digits", overrides).continual_arguments()
-    assert getattr(from_override, item.name) == value  # an override replaces the value, a section included
-    if item.name == "training":
-        value = {**DEFAULT_ARGS["training"], **value}  # a YAML file's training section extends the defaults
+    if item.name == "training":  # a training section, from YAML, an override or Python, extends the defaults
+        value = {**default_training(), **value}
+    assert getattr(from_override, item.name) == value  # an override replaces the value
     assert getattr(from_yaml, item.name) == value
 
 
@@ -263,8 +264,8 @@ def test_the_cli_checks_a_run_once_and_builds_its_methods_once(tmp_path, monkeyp
                      args: ContinualArguments) -> None:
             seen.update(methods=methods, args=args)
 
-        def claim_output_dir(self) -> None:
-            Path(seen["args"].output_dir).mkdir(parents=True)
+        def claim_output_dir(self, lock: Any = None) -> None:
+            Path(seen["args"].output_dir).mkdir(parents=True, exist_ok=True)  # (run() locked it: it exists)
 
         def fit(self) -> Any:
             return type("Results", (), {"to_markdown": lambda self: "| matrix |"})()

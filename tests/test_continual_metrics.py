@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -122,7 +123,8 @@ def test_single_task_is_nan_where_undefined() -> None:
 def test_nan_cells_propagate() -> None:
     matrix = np.array(R)
     matrix[2, 0] = np.nan
-    assert math.isnan(cm.final_average(matrix))
+    with pytest.warns(cm.NotEvaluatedWarning):
+        assert math.isnan(cm.final_average(matrix))
     assert cm.tic_forward(matrix) == pytest.approx(20.0)  # upper triangle does not read the NaN
 
 
@@ -133,3 +135,53 @@ def test_shape_checks() -> None:
         cm.summarize(np.zeros((0, 0)))
     with pytest.raises(ValueError, match="length"):
         cm.forward_transfer(R, [1.0, 2.0])
+
+
+# ----- bad values (issue 25, item 11): infinite or out-of-range cells, fractions, NaN cells named ------------------
+def test_infinite_and_out_of_range_cells_are_refused_by_name() -> None:
+    matrix = np.array(R)
+    matrix[2, 0] = -np.inf
+    with pytest.raises(ValueError, match=r"finite.*R\[2, 0\] = -inf"):
+        cm.forgetting(matrix)
+    with pytest.raises(ValueError, match=r"finite.*b\[1\] = inf"):
+        cm.forward_transfer(R, [5.0, np.inf, 12.0])
+    with pytest.raises(ValueError, match=r"\[0, 100\] \(percent\): R\[1, 2\] = 130"):
+        cm.summarize([[50.0, 10.0, 20.0], [55.0, 60.0, 130.0], [30.0, 45.0, 69.0]])
+    with pytest.raises(ValueError, match=r"R\[0, 0\] = -5"):
+        cm.final_average([[-5.0]])
+
+
+def test_fractions_are_refused_unless_the_scale_says_so() -> None:
+    fractions = np.array(R) / 100
+    for function in (cm.final_average, cm.forgetting, cm.tic_backward, cm.mtil_transfer):
+        with pytest.raises(ValueError, match=r"every score lies in \[0, 1\].*scale='fraction'"):
+            function(fractions)
+    with pytest.raises(ValueError, match=r"every score lies in \[0, 1\]"):
+        cm.summarize(fractions, np.array(B) / 100)
+    assert cm.forgetting(fractions, scale="fraction") == pytest.approx(FORGETTING / 100)
+    summary = cm.summarize(fractions, np.array(B) / 100, scale="fraction")
+    assert summary == pytest.approx({key: value / 100 for key, value in cm.summarize(R, B).items()})
+    weak = np.full((2, 2), 0.4)  # percentages that are all small: a weak model's Recall@1
+    assert cm.final_average(weak, scale="percent") == pytest.approx(0.4)
+    with pytest.raises(ValueError, match=r"\[0, 1\] \(fraction\): R\[0, 0\] = 50"):
+        cm.final_average(R, scale="fraction")
+    with pytest.raises(ValueError, match="scale must be"):
+        cm.final_average(R, scale="percentage")
+    assert cm.forward_transfer(R, [0.0, 0.0, 0.0]) == pytest.approx(20.0)  # b all 0: R says the scale
+
+
+def test_nan_cells_are_named_when_they_make_a_summary_nan() -> None:
+    matrix = np.array(R)
+    matrix[2, 0] = np.nan
+    with pytest.warns(cm.NotEvaluatedWarning, match=r"final_average is NaN: it reads cells marked not evaluated "
+                                                      r"\(NaN\): R\[2, 0\]"):
+        assert math.isnan(cm.final_average(matrix))
+    with pytest.warns(cm.NotEvaluatedWarning) as caught:
+        summary = cm.summarize(matrix, B)
+    assert len(caught) == 1  # one warning naming every NaN key
+    nan_keys = sorted(key for key, value in summary.items() if math.isnan(value))
+    assert nan_keys and str(caught[0].message).startswith(", ".join(k for k in summary if k in nan_keys) + " are NaN")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cm.summarize([[42.0]], [7.0])  # NaN by the T = 1 convention: no warning
+        assert cm.tic_forward(matrix) == pytest.approx(20.0)  # does not read the NaN cell

@@ -11,6 +11,7 @@ from hf_ccl import paths
 from hf_ccl.data.images import CorruptImageError
 from hf_ccl.data.task import Task
 from hf_ccl.evaluation import (
+    NonFiniteEmbeddingError,
     encode_images,
     encode_texts,
     evaluate_stream,
@@ -268,3 +269,20 @@ def test_a_tokenizer_that_reads_nothing_scores_chance(clip, classification_task,
     assert classes["accuracy"] <= 35.0 + 1e-9
     captions = evaluate_task(clip, retrieval_task, image_processor, tokenizer, batch_size=8, max_length=2)
     assert captions["i2t_R@1"] <= 30.0
+
+
+def test_non_finite_embeddings_are_refused_not_scored(clip, classification_task, retrieval_task, image_processor,
+                                                      tokenizer) -> None:
+    """A NaN image embedding compared as nothing: one of four images scored 25 % and a NaN model 100 % (issue 25)."""
+    images, classes = torch.eye(4), torch.eye(4)
+    images[1] = float("nan")
+    with pytest.raises(NonFiniteEmbeddingError, match=r"image_embeds: 1 of 4 rows hold NaN or infinite values "
+                                                      r"\(row 1\)"):
+        zero_shot_accuracy(images, [0, 1, 2, 3], classes)
+    diverged = _tiny_clip()
+    with torch.no_grad():
+        diverged.visual_projection.weight.fill_(float("nan"))
+    for task in (classification_task, retrieval_task):
+        with pytest.raises(NonFiniteEmbeddingError, match=rf"task '{task.name}', eval split: image_embeds: 20 of 20 "
+                                                          r"rows .*\(row 0, 1, 2, 3, 4, \.\.\. \(20 in all\)\)"):
+            evaluate_task(diverged, task, image_processor, tokenizer, batch_size=20)

@@ -268,7 +268,7 @@ def test_a_run_starts_from_a_saved_checkpoint_of_another_family(saved, tmp_path,
     from hf_ccl.cli import main
     from hf_ccl.paths import default_tokenizer_path
 
-    overrides = [f"output_dir={tmp_path / 'run'}", "progress=false", "training.max_steps=1",
+    overrides = [f"output_dir={tmp_path / 'run'}", "progress=false", "training.max_steps=1", "training.warmup_steps=0",
                  "training.per_device_train_batch_size=8", "stream_args.max_train_per_task=16",
                  "stream_args.max_eval_per_task=8", f"model.pretrained={saved / 'siglip'}", "model.config={}"]
     assert main(["train", "--config", "digits", *overrides, "tokenizer=null"]) == 2

@@ -308,8 +308,9 @@ def test_gem_steps_satisfy_the_constraints_and_leave_compatible_gradients_alone(
         rounding = FLOAT32 * (float(g.double().norm()) + float(projected.double().norm())) * G.double().norm(dim=1)
         assert bool((dots(G, projected) >= -method.config.qp_eps * v.to(G.device) - rounding).all())
     assert violated_steps >= len(second) // 2, f"only {violated_steps} steps conflicted: the check is weak"
-    # Compute accounting: 16 memory rows forward + backward per 16 training examples in task 1.
-    assert [c.forward_passes_per_sample for c in learner.compute] == [3.0, 3.0 + 3.0 * 16 / 16]
+    # Compute: task 1's steps also encode and back-propagate 16 memory rows each (measured in its MACs).
+    first, second = (c.macs / c.optimizer_steps for c in learner.compute)
+    assert second > 1.5 * first
 
 
 def _set_grads(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
@@ -444,7 +445,8 @@ def test_agem_steps_satisfy_the_constraint(tmp_path):
         change = float((projected.double() - g.double()).norm() / g.double().norm())
         assert step["metrics"]["grad_change"] == pytest.approx(change, rel=1e-4)
     assert violated_steps >= len(second) // 2, f"only {violated_steps} steps conflicted: the check is weak"
-    assert learner.compute[1].forward_passes_per_sample == 3.0 + 3.0 * 8 / 16
+    first, second = (c.macs / c.optimizer_steps for c in learner.compute)  # 8 reference rows per 16 examples
+    assert 1.2 * first < second < 1.8 * first
 
 
 def test_parameters_option_constrains_only_the_chosen_parameters(tmp_path):

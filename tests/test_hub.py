@@ -175,8 +175,9 @@ def test_two_processes_push_once_per_revision(local_hub, tmp_path):
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
         "--main_process_port", str(_free_port()), str(SCRIPT), str(tmp_path), "er", "--hub-model-id", REPO,
     ]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    from test_distributed import user_env  # as a user launches: hf_ccl makes the processes one DDP run itself
+
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=user_env())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     payload = json.loads((tmp_path / "final_results.json").read_text())
     assert payload["pushed"] == [0, 1, 2] and payload["failed"] == []
@@ -268,3 +269,33 @@ def test_a_cli_run_whose_pushes_fail_exits_1_after_every_checkpoint_then_hf_ccl_
     assert "5/5 task revisions pushed" in capsys.readouterr().out
     branches = {b.name for b in HfApi().list_repo_refs(REPO).branches}
     assert {f"task-{k}" for k in range(5)} <= branches
+
+
+def test_pushes_whose_replies_were_lost_are_confirmed_on_the_hub(local_hub, tmp_path):
+    """Every 2nd write is made and its reply lost: retried writes find nothing to change or a branch that exists.
+    The pusher checks the Hub before calling a push failed: every revision holds its task's manifest."""
+    from hf_ccl.checkpoint_files import MANIFEST, write_manifest
+    from hf_ccl.hub import HubPusher
+
+    folders = []
+    for index in range(3):
+        folder = tmp_path / f"task-{index}"
+        folder.mkdir()
+        (folder / "weights.bin").write_bytes(os.urandom(512))
+        write_manifest(folder)
+        folders.append(folder)
+    (folders[2] / "placed-later.txt").write_text("not part of the checkpoint")
+    local_hub.faults = FaultPlan(lose_reply_every=2)
+    pusher = HubPusher("hf-ccl-test/lost-replies", retries=1, backoff=0.01, timeout=10, background=False)
+    for index, folder in enumerate(folders):
+        pusher.push(folder, index)
+    report = pusher.finish()
+    local_hub.faults = FaultPlan()
+    assert not report.failed, report.summary()
+    for index, folder in enumerate(folders):
+        remote = hf_hub_download("hf-ccl-test/lost-replies", MANIFEST, revision=f"task-{index}")
+        assert Path(remote).read_bytes() == (folder / MANIFEST).read_bytes()
+    files = HfApi().list_repo_files("hf-ccl-test/lost-replies", revision="main")
+    assert "placed-later.txt" not in files and "weights.bin" in files
+    main_manifest = hf_hub_download("hf-ccl-test/lost-replies", MANIFEST, revision="main")
+    assert Path(main_manifest).read_bytes() == (folders[2] / MANIFEST).read_bytes()

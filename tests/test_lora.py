@@ -267,3 +267,39 @@ def test_a_tasks_adapter_starts_from_the_tasks_seed_whatever_the_global_rng(tmp_
     assert any("lora_A" in key for key in first)
     for key, value in first.items():
         assert torch.equal(second[key], value), key
+
+
+# ----- sizes: refused before anything is built ----------------------------------------------------------------------
+TINY_RUN = ["train", "--config", "digits", "methods=[lora]", "model.config.hidden_size=32", "model.config.num_layers=1",
+            "model.config.projection_dim=32"]
+
+
+@pytest.mark.parametrize("rank", [10**6, 33])
+def test_a_rank_above_the_layers_rank_is_refused_by_the_cli_before_anything_is_built(tmp_path, capsys, rank):
+    """`method_args.lora.r=10^6` used to allocate until memory ran out: it is refused at once (exit 2, nothing
+    written) with the bound, the rank of the adapted layers (32 x 32 attention projections of a hidden-32 CLIP)."""
+    from hf_ccl.cli import main
+
+    code = main([*TINY_RUN, f"method_args.lora.r={rank}", f"output_dir={tmp_path / 'run'}"])
+    error = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and not (tmp_path / "run").exists()
+    assert len(error) == 1 and error[0].startswith(f"hf-ccl: error: method_args.lora.r={rank} exceeds the rank")
+    assert "set r <= 32" in error[0]
+
+
+def test_the_rank_bound_is_the_smallest_adapted_layers_rank():
+    """r = min(d_in, d_out) of the smallest targeted linear passes, one more is refused, on the meta-device skeleton
+    of the run and on the real model at task start (the Python path), before any adapter is injected."""
+    from hf_ccl.methods.sizes import model_skeleton
+    from hf_ccl.validation import ConfigError
+
+    skeleton = model_skeleton({"config": {"hidden_size": 32, "num_layers": 1, "projection_dim": 32}})
+    LoRA({"r": 32, "target_modules": ["fc1", "fc2"]}).check_model(skeleton)
+    with pytest.raises(ConfigError, match=r"fc1 is 128 x 32 \(rank <= 32\)") as caught:  # 4 x 32 wide, rank 32
+        LoRA({"r": 33, "target_modules": ["fc1"]}).check_model(skeleton)
+    assert caught.value.key == "method_args.lora.r"
+    model = tiny_clip()
+    context = TaskContext(task_index=0, task=None, stream=TaskStream("s", []), model=model)
+    with pytest.raises(ConfigError, match="exceeds the rank"):
+        LoRA({"r": 33}).on_task_start(context)
+    assert not lora_layers(model)

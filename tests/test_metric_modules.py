@@ -5,6 +5,7 @@ and has a card with its formula and source."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import evaluate
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 
 import hf_ccl.evaluation.continual_metrics as cm
 import hf_ccl.metrics as metrics
+from hf_ccl.evaluation import NonFiniteEmbeddingError, NotEvaluatedWarning
 from hf_ccl.evaluation.retrieval import recall_at_k
 from hf_ccl.evaluation.zeroshot import zero_shot_accuracy
 
@@ -58,8 +60,17 @@ def test_matrix_modules_give_the_plain_functions_numbers_by_hand(name):
     if name == "forgetting":
         assert result == {"forgetting": 20.0}
     nan = [row[:] for row in R]
-    nan[2][0] = float("nan")
-    assert same(module.compute(predictions=nan, initial=B, sizes=SIZES), plain(name, np.array(nan), B, SIZES))
+    nan[2][0] = float("nan")  # not evaluated: the keys that read it are NaN, with one warning naming the cell
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = module.compute(predictions=nan, initial=B, sizes=SIZES)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotEvaluatedWarning)
+        assert same(result, plain(name, np.array(nan), B, SIZES))
+    named = [str(w.message) for w in caught if w.category is NotEvaluatedWarning]
+    nan_keys = ", ".join(key for key, value in result.items() if math.isnan(value))
+    assert named == ([f"{nan_keys} {'is NaN: it reads' if ',' not in nan_keys else 'are NaN: they read'} cells "
+                      "marked not evaluated (NaN): R[2, 0]"] if nan_keys else [])
 
 
 def test_options_a_module_needs_or_does_not_know_are_refused():
@@ -150,5 +161,44 @@ def test_every_module_has_a_card_with_its_formula_and_source(name):
     text = (metrics.ROOT / name / "README.md").read_text(encoding="utf-8")
     assert text.startswith("---\ntitle: " + name)
     assert "## Formula" in text and ("## Source" in text or "| source |" in text) and "## How to use" in text
-    info = metrics.load(name).info
-    assert info.description and info.inputs_description
+    module = metrics.load(name)
+    assert module.name == name  # evaluate names a module after its class ("TiC" loaded as "ti_c")
+    assert module.info.description and module.info.inputs_description
+
+
+# ----- bad values (issue 25, item 11) -------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", MATRIX_MODULES)
+def test_matrix_modules_refuse_infinite_out_of_range_and_fraction_scores(name):
+    module = metrics.load(name)
+    infinite = [row[:] for row in R]
+    infinite[1][0] = -math.inf
+    with pytest.raises(ValueError, match=r"finite.*R\[1, 0\] = -inf"):
+        module.compute(predictions=infinite, initial=B, sizes=SIZES)
+    with pytest.raises(ValueError, match=r"\[0, 100\].*b\[2\] = 101"):
+        module.compute(predictions=R, initial=[5.0, 10.0, 101.0], sizes=SIZES)
+    fractions = (np.array(R) / 100).tolist()
+    with pytest.raises(ValueError, match=r"every score lies in \[0, 1\].*scale='fraction'"):
+        module.compute(predictions=fractions, initial=(np.array(B) / 100).tolist(), sizes=SIZES)
+    result = module.compute(predictions=fractions, initial=(np.array(B) / 100).tolist(), sizes=SIZES, scale="fraction")
+    expected = plain(name, np.array(R), B, SIZES)
+    assert result.keys() == expected.keys() and all(result[k] == pytest.approx(expected[k] / 100) for k in result)
+
+
+def test_embedding_modules_refuse_non_finite_embeddings():
+    """A NaN image embedding scored 25 % (its comparisons all false), an infinite caption embedding some recall."""
+    generator = torch.Generator().manual_seed(0)
+    images, classes = torch.randn(4, 8, generator=generator), torch.randn(4, 8, generator=generator)
+    images[2, 3] = math.nan
+    accuracy = metrics.load("zero_shot_accuracy")
+    with pytest.raises(NonFiniteEmbeddingError, match=r"image_embeds: 1 of 4 rows hold NaN or infinite values "
+                                                      r"\(row 2\)"):
+        accuracy.compute(predictions=images.tolist(), references=[0, 1, 2, 3], class_embeds=classes.tolist())
+    with pytest.raises(NonFiniteEmbeddingError, match=r"image_embeds: 1 of 4 rows.*row 2"):
+        zero_shot_accuracy(images, torch.arange(4), classes)
+    with pytest.raises(NonFiniteEmbeddingError, match=r"class_embeds: 4 of 4 rows"):
+        zero_shot_accuracy(classes, torch.arange(4), torch.full((4, 8), math.nan))
+    captions = torch.randn(4, 8, generator=generator)
+    captions[0, 0] = math.inf
+    with pytest.raises(NonFiniteEmbeddingError, match=r"text_embeds: 1 of 4 rows.*row 0"):
+        metrics.load("recall_at_k").compute(predictions=captions.tolist(), references=[0, 1, 2, 3],
+                                            image_embeds=classes.tolist())

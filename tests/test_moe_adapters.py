@@ -540,3 +540,145 @@ def test_the_evaluator_scores_each_route_with_its_own_image_and_text_embeddings(
     refused = evaluate_task(model, task, processor, tokenizer)
     assert refused["route_frozen"] == 100.0
     assert refused["accuracy"] == evaluate_task(frozen, task, processor, tokenizer)["accuracy"]
+
+
+# ----- the run as a user makes it: the CLI, pushed to a Hub, loaded back as the card says ---------------------------
+REPO = "hf-ccl-test/moe-digits"
+CLI_RUN = ["train", "--config", "digits", "methods=[moe_adapters]", "model.config.hidden_size=32",
+           "model.config.num_layers=1", "model.config.projection_dim=32", "stream_args.max_train_per_task=32",
+           "stream_args.max_eval_per_task=16", "training.max_steps=2", "training.per_device_train_batch_size=16",
+           "training.gradient_accumulation_steps=2", "training.learning_rate=1.0", "training.warmup_steps=0",
+           "method_args.moe_adapters={num_experts: 4, bottleneck: 8, ddas_steps: 20, ddas_code_dim: 8}",
+           f"hub_model_id={REPO}"]
+
+
+@pytest.fixture(scope="module")
+def pushed_run(tmp_path_factory):
+    """`hf-ccl train --config digits methods=[moe_adapters] ...` (expert dropout and router noise at their defaults,
+    32 x 2 accumulated steps), pushed to the local Hub. Records each accumulated step's features: each chunk's from
+    its no-grad pass, then from its re-encoding."""
+    from types import SimpleNamespace
+
+    import hf_ccl.trainer
+    from hf_ccl.cli import main
+    from hf_ccl.testing import LocalHubServer
+
+    root = tmp_path_factory.mktemp("moe-cli")
+    steps, real = [], hf_ccl.trainer.accumulated_backward
+
+    def recorded(chunks, encode, *args, **kwargs):
+        seen = []
+
+        def recording(chunk):
+            features = encode(chunk)
+            seen.append(tuple(feature.detach().clone() for feature in features))
+            return features
+
+        loss = real(chunks, recording, *args, **kwargs)
+        steps.append((seen[: len(chunks)], seen[len(chunks):]))
+        return loss
+
+    with LocalHubServer(root / "hub") as server, server.patch_client(cache_dir=root / "cache"), \
+            pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hf_ccl.trainer, "accumulated_backward", recorded)
+        code = main([*CLI_RUN, f"output_dir={root / 'out'}"])
+        patch.undo()
+        yield SimpleNamespace(code=code, output=root / "out", steps=steps, server=server)
+
+
+def test_accumulated_steps_re_encode_exactly_what_the_loss_saw(pushed_run):
+    """With dropout and noisy gating on, every chunk's differentiable re-encoding (through the trainer's own
+    closures) gives bit for bit the features of its no-grad pass: the step's gradient is that of the loss it logged."""
+    assert pushed_run.code == 0
+    assert len(pushed_run.steps) == 5 * 2  # 5 tasks x 2 steps, each of 2 chunks
+    for first, second in pushed_run.steps:
+        assert len(first) == len(second) == 2
+        for (image, text), (image_again, text_again) in zip(first, second, strict=True):
+            assert torch.equal(image, image_again) and torch.equal(text, text_again)
+
+
+def _card_snippet(card_text: str) -> str:
+    """The card's Python block that calls the method's loader."""
+    blocks = card_text.split("```python\n")[1:]
+    return next(block.split("```")[0] for block in blocks if "load_moe_model(" in block)
+
+
+def _scores(model, processor, stream) -> dict[str, float]:
+    from hf_ccl.evaluation import evaluate_task
+
+    return {task.name: evaluate_task(model, task, processor.image_processor, processor.tokenizer)["accuracy"]
+            for task in stream}
+
+
+@pytest.mark.parametrize("revision", ["task-1", "task-4"])
+def test_the_cards_loader_gives_the_scored_model_and_plain_transformers_the_base_model(pushed_run, revision):
+    """The card's "How to use" of a pushed revision names `load_moe_model`; its snippet, run as printed, gives the
+    model whose evaluation reproduces that revision's row of results.json exactly. `from_pretrained` gives what the
+    card says: the frozen base model, the very weights the run started from (its scores: the `initial` row)."""
+    import json
+    from pathlib import Path
+
+    from huggingface_hub import hf_hub_download
+    from transformers import AutoModel, AutoProcessor
+
+    card = Path(hf_hub_download(REPO, "README.md", revision=revision)).read_text(encoding="utf-8")
+    snippet = _card_snippet(card)
+    assert f'load_moe_model("{REPO}", revision="{revision}")' in snippet
+    assert "base model without the adapters" in card and "does not score" in card
+    namespace: dict = {}
+    exec(snippet, namespace)  # noqa: S102 (the card's own code, as a user runs it)
+    loaded = namespace["model"]
+    results = json.loads(Path(hf_hub_download(REPO, "results.json", revision=revision)).read_text(encoding="utf-8"))
+    row = results["rows"][int(revision.split("-")[1])]["metrics"]
+    initial = {task: metrics["accuracy"] for task, metrics in results["initial"]["metrics"].items()}
+    processor = AutoProcessor.from_pretrained(REPO, revision=revision)
+    stream = build_stream("digits", max_train_per_task=32, max_eval_per_task=16)
+    assert _scores(loaded, processor, stream) == {task: metrics["accuracy"] for task, metrics in row.items()}
+    plain = AutoModel.from_pretrained(REPO, revision=revision)
+    assert type(plain) is CLIPModel
+    start = tiny_model("clip", seed=0, hidden_size=32, num_layers=1, projection_dim=32).state_dict()
+    for key, value in plain.state_dict().items():
+        assert torch.equal(value, start[key]), key
+    assert _scores(plain, processor, stream) == initial
+    assert {task: metrics["accuracy"] for task, metrics in row.items()} != initial  # the two models differ
+
+
+# ----- sizes: refused before anything is built ----------------------------------------------------------------------
+TINY_SIZES = {"hidden_size": 32, "num_layers": 1, "projection_dim": 32}
+
+
+@pytest.mark.parametrize(("option", "value"), [("num_experts", 100000), ("bottleneck", 100000)])
+def test_absurd_sizes_are_refused_by_the_cli_before_anything_is_built(tmp_path, capsys, option, value):
+    """`num_experts=100000` used to fail with a MemoryError after minutes: it is refused at once (exit 2, nothing
+    written), the message giving the parameters it implies against the model's own."""
+    from hf_ccl.cli import main
+
+    code = main(["train", "--config", "digits", "methods=[moe_adapters]",
+                 *(f"model.config.{key}={value}" for key, value in TINY_SIZES.items()),
+                 f"method_args.moe_adapters.{option}={value}", f"output_dir={tmp_path / 'run'}"])
+    error = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and not (tmp_path / "run").exists()
+    assert len(error) == 1 and error[0].startswith("hf-ccl: error: method_args.moe_adapters: ")
+    assert "more than the 1,617,889 of the model they adapt" in error[0] and "lower num_experts or bottleneck" in error[0]
+
+
+def test_the_size_bound_is_the_models_own_parameter_count():
+    """Adapters of E experts of bottleneck 8 on a hidden-32 CLIP with one layer per tower add, by hand,
+    2 layers x E x (2 x 32 x 8 + 8 + 32 + 2 x 32 router and noise weights) + one DDAS autoencoder
+    (2 x 32 x 100 + 32 + 100): at most the model's 1,617,889 parameters. The defaults pass; on the Python path
+    the task start refuses before installing anything."""
+    from hf_ccl.methods.sizes import model_skeleton
+
+    skeleton = model_skeleton({"config": TINY_SIZES})
+    base = sum(p.numel() for p in skeleton.parameters())
+    assert base == 1_617_889
+    _method(num_experts=22, bottleneck=64, ddas_code_dim=100).check_model(skeleton)
+    largest = (base - (2 * 32 * 100 + 32 + 100)) // (2 * (2 * 32 * 8 + 8 + 32 + 2 * 32))
+    _method(num_experts=largest, bottleneck=8, ddas_code_dim=100).check_model(skeleton)
+    with pytest.raises(ConfigError, match="more than the 1,617,889") as caught:
+        _method(num_experts=largest + 1, bottleneck=8, ddas_code_dim=100).check_model(skeleton)
+    assert caught.value.key == "method_args.moe_adapters.num_experts"
+    model = tiny_model("clip")
+    with pytest.raises(ConfigError, match="more than"):
+        _method(num_experts=10**6).on_task_start(_context(model))
+    assert moe_bank(model) is None

@@ -111,15 +111,19 @@ def test_mtil_nan_propagation() -> None:
     assert per_task["transfer"][1] == pytest.approx(10.0)
     assert math.isnan(per_task["transfer"][2])
     assert math.isnan(per_task["average"][2])
-    assert math.isnan(cm.mtil_transfer(upper))
-    assert math.isnan(cm.mtil_average(upper))
+    with pytest.warns(cm.NotEvaluatedWarning, match=r"mtil_transfer is NaN.*R\[0, 2\]"):
+        assert math.isnan(cm.mtil_transfer(upper))
+    with pytest.warns(cm.NotEvaluatedWarning, match=r"mtil_average is NaN.*R\[0, 2\]"):
+        assert math.isnan(cm.mtil_average(upper))
     assert cm.mtil_last(upper) == pytest.approx(48.0)
 
     lower = np.array(R)
     lower[2, 0] = math.nan  # read by average[0] and last[0], not by transfer
     assert cm.mtil_transfer(lower) == pytest.approx(17.5)
-    assert math.isnan(cm.mtil_average(lower))
-    assert math.isnan(cm.mtil_last(lower))
+    with pytest.warns(cm.NotEvaluatedWarning, match=r"R\[2, 0\]"):
+        assert math.isnan(cm.mtil_average(lower))
+    with pytest.warns(cm.NotEvaluatedWarning, match=r"mtil_last is NaN.*R\[2, 0\]"):
+        assert math.isnan(cm.mtil_last(lower))
 
 
 def test_mtil_single_task() -> None:
@@ -171,7 +175,8 @@ def test_class_incremental_nan_propagation() -> None:
     lower = np.array(R)
     lower[1, 0] = math.nan  # read by A_1 only
     assert math.isnan(cm.class_incremental_per_step(lower, SIZES)[1])
-    assert math.isnan(cm.class_incremental_average(lower, SIZES))
+    with pytest.warns(cm.NotEvaluatedWarning, match=r"class_incremental_average is NaN.*R\[1, 0\]"):
+        assert math.isnan(cm.class_incremental_average(lower, SIZES))
     assert cm.class_incremental_last(lower, SIZES) == pytest.approx(43.5)
 
 

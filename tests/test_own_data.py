@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -322,3 +323,35 @@ def test_short_run_on_a_csv_stream_from_another_working_directory(own_data, tmp_
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert [row["label"] for row in results["rows"]] == ["a", "b"]
     assert (tmp_path / "run" / "task-1" / "model.safetensors").is_file() and not any(elsewhere.iterdir())
+
+
+def _write_bad_file(folder: Path, case: str) -> Path:
+    """A train file that cannot give a task: 0 bytes, a parquet schema without rows, an integer image column."""
+    path = folder / f"{case}.parquet"
+    rows = [{"image": index, "caption": f"a photo {index}", "category": "a"} for index in range(4)]
+    if case == "empty":
+        path.write_bytes(b"")
+    elif case == "no-rows":
+        Dataset.from_list(rows).select([]).to_parquet(path)
+    else:
+        Dataset.from_list(rows).to_parquet(path)
+    return path
+
+
+@pytest.mark.parametrize(("case", "message"), [
+    ("empty", r"Data file '.*empty.parquet' is empty \(0 bytes\)"),
+    ("no-rows", r"Data file '.*no-rows.parquet' has no rows"),
+    ("int-image", r".*int-image.parquet: image column 'image' holds int64 values; it must hold images"),
+])
+def test_a_data_file_that_cannot_give_a_task_is_one_line_naming_it(own_data, tmp_path, capsys, case, message):
+    """Through the CLI with a YAML spec (README "Your own data"): exit 1 before any model is built or anything
+    written, one line naming the file (and the column), never a pyarrow or datasets traceback."""
+    train = _write_bad_file(tmp_path, case)
+    config = {"stream": {**_spec(), "train": str(train), "eval": str(own_data["folder"] / "test.csv")},
+              "output_dir": str(tmp_path / "run"), "progress": False}
+    path = tmp_path / "bad-data.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["train", "--config", str(path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("hf-ccl: error: ") and re.search(message, err), err
+    assert not (tmp_path / "run").exists()

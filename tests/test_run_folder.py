@@ -94,26 +94,75 @@ def test_a_damaged_task_checkpoint_is_an_error_naming_the_file(stopped, capsys, 
     assert not (stopped / "task-3").exists()  # nothing trained from it
 
 
-def test_a_checkpoint_without_manifest_needs_its_files(tmp_path, caplog):
+def test_a_checkpoint_without_manifest_is_incomplete(tmp_path):
     (tmp_path / "continual_state.json").write_text("{}")
-    with pytest.raises(CheckpointError, match="lacks"):
+    (tmp_path / "results.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="has no checkpoint_manifest.json: it is incomplete"):
         verify_checkpoint(tmp_path)
-    from hf_ccl.checkpoint_files import LEGACY_REQUIRED
-
-    for name in LEGACY_REQUIRED:
-        (tmp_path / name).write_text("{}")
-    verify_checkpoint(tmp_path)  # accepted, with a warning that the bytes cannot be checked
-    assert "cannot be checked" in caplog.text
     write_manifest(tmp_path)
+    assert verify_checkpoint(tmp_path) == []
     (tmp_path / "results.json").write_text("[]")  # same size, other bytes: {} vs []
     with pytest.raises(CheckpointError, match="results.json does not match its checksum"):
         verify_checkpoint(tmp_path)
 
 
+def test_a_task_folder_without_manifest_is_skipped_and_extra_files_are_never_read(finished, stopped, caplog):
+    """task-2's manifest deleted and its weights damaged: it is not used (task 2 trains again from task-1). task-1
+    holds a `special_tokens_map.json` placed there later, with another pad token: ignored. The run ends as the
+    uninterrupted one."""
+    (stopped / "task-2" / MANIFEST).unlink()
+    _flip(stopped / "task-2" / "model.safetensors")
+    (stopped / "task-1" / "special_tokens_map.json").write_text(json.dumps({"pad_token": "!"}))
+    (stopped / "task-1" / "model.safetensors.index.json").write_text("{}")
+    assert train(stopped, "resume_from_checkpoint=true") == 0
+    assert "task-2 is incomplete (no checkpoint_manifest.json" in caplog.text
+    assert "special_tokens_map.json" in caplog.text and "(ignored)" in caplog.text
+    assert rows(stopped) == rows(finished)
+    assert json.loads((stopped / "task-4" / "tokenizer_config.json").read_text()).get("pad_token") != "!"
+
+
+def test_a_hand_edited_model_card_does_not_block_a_resume(finished, stopped, caplog):
+    card = stopped / "task-2" / "README.md"
+    card.write_text(card.read_text() + "\nNotes of the person who trained it.\n")
+    assert train(stopped, "resume_from_checkpoint=true") == 0
+    assert "README.md was changed after the checkpoint was written" in caplog.text
+    assert rows(stopped) == rows(finished)
+
+
+def test_allowed_label_space_change_is_recorded_and_an_unallowed_one_refused(stopped, capsys):
+    assert train(stopped, "resume_from_checkpoint=true", "stream_args.label_space=all") == 1
+    err = capsys.readouterr().err
+    assert "the data of task(s) [0, 1, 2, 3, 4] differs (task 0 classes 2 -> 10" in err
+    assert not (stopped / "task-3").exists()
+    assert train(stopped, "resume_from_checkpoint=true", "stream_args.label_space=all",
+                 "resume_allow_changes=[stream*]") == 0
+    state = json.loads((stopped / "task-4" / "continual_state.json").read_text())
+    changed = {change["key"] for change in state["resume_changes"]}
+    assert "stream.tasks.0.labels.classes" in changed and "stream.tasks.4.labels.digest" in changed
+    card = (stopped / "task-4" / "README.md").read_text()
+    assert "stream.tasks.0.labels.classes" in card
+
+
+def test_run_files_are_never_written_through_a_planted_link(finished, tmp_path):
+    output_dir = tmp_path / "run"
+    shutil.copytree(finished, output_dir)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep me")
+    for name in ("compute.json", "results.json", "run_config.yaml"):
+        (output_dir / name).unlink()
+        (output_dir / name).symlink_to(outside)
+    assert train(output_dir, "resume_from_checkpoint=true", "training.save_strategy=steps",
+                 "training.save_steps=1") == 0
+    assert outside.read_text() == "keep me"
+    assert not any((output_dir / name).is_symlink() for name in ("compute.json", "results.json", "run_config.yaml"))
+
+
 # ----- the folder: another run, the lock ----------------------------------------------------------------------------
 def test_a_new_run_over_another_run_is_refused_then_overwritten(stopped, capsys):
     before = sorted(p.name for p in stopped.iterdir())
-    assert train(stopped, "seed=1") == 1
+    started = time.monotonic()
+    assert train(stopped, "seed=1") == 2  # refused before the run is built
+    assert time.monotonic() - started < 15
     err = capsys.readouterr().err
     assert "holds another run" in err and "resume_from_checkpoint=true" in err and "overwrite_output_dir" in err
     assert sorted(p.name for p in stopped.iterdir()) == before  # nothing written, not even run_config.yaml
@@ -151,12 +200,39 @@ def test_a_second_cli_run_on_a_busy_folder_fails_naming_the_first(tmp_path, caps
     lock.acquire()
     try:
         started = time.monotonic()
-        assert train(folder) == 1
-        assert time.monotonic() - started < 60
+        assert train(folder) == 2  # refused before the run is built
+        assert train(folder, "overwrite_output_dir=true") == 2  # an overwrite too
+        assert time.monotonic() - started < 30
     finally:
         lock.release()
-    assert "is in use by another run (pid" in capsys.readouterr().err
+    assert capsys.readouterr().err.count("is in use by another run (pid") == 2
     assert sorted(p.name for p in folder.iterdir()) == [LOCK_FILE]
+
+
+@pytest.mark.slow
+def test_an_overwrite_cannot_replace_a_running_run(tmp_path):
+    """A second run told to overwrite, started while the first one trains, is refused; the first one's results are
+    those of an undisturbed run."""
+    folder = tmp_path / "run"
+    command = [sys.executable, "-m", "hf_ccl.cli", "train", *RUN, f"output_dir={folder}", "training.max_steps=40"]
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (folder / "run_config.yaml").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        second = subprocess.run([*command, "overwrite_output_dir=true"], capture_output=True, text=True)
+        assert second.returncode == 2 and "is in use by another run" in second.stderr
+    finally:
+        out, err = first.communicate(timeout=600)
+    assert first.returncode == 0, err[-2000:]
+
+
+def test_what_a_failed_first_run_left_does_not_block_the_next(tmp_path, caplog):
+    folder = tmp_path / "run"
+    (folder / "trainer" / "task-0").mkdir(parents=True)
+    (folder / "run_config.yaml").write_text("seed: 5\n")
+    assert train(folder) == 0
+    assert (folder / "task-4" / MANIFEST).exists()
 
 
 # ----- resume must match --------------------------------------------------------------------------------------------
@@ -181,6 +257,25 @@ def test_an_allowed_change_is_recorded(stopped):
         state = json.loads((stopped / f"task-{index}" / "continual_state.json").read_text())
         assert state["resume_changes"] == [
             {"after_task": 2, "key": "training.learning_rate", "saved": 0.001, "now": 0.002}]
+
+
+def test_an_allowed_learning_rate_change_applies_inside_the_interrupted_task(finished, kept, tmp_path):
+    """Stopped mid-task 3 (its Trainer checkpoint-1 kept), resumed with another learning rate: the rest of task 3
+    trains with it (the saved optimizer and schedule keep their state, not their old rate)."""
+    import torch
+
+    output_dir = tmp_path / "run"
+    shutil.copytree(finished, output_dir)
+    for index in (3, 4):
+        shutil.rmtree(output_dir / f"task-{index}")
+    shutil.copytree(kept / "trainer" / "task-3" / "checkpoint-1", output_dir / "trainer" / "task-3" / "checkpoint-1")
+    assert train(output_dir, "resume_from_checkpoint=true", "training.save_strategy=steps", "training.save_steps=1",
+                 "keep_trainer_checkpoints=true", "training.learning_rate=0.002",
+                 "resume_allow_changes=[training.learning_rate]") == 0
+    scheduler = torch.load(output_dir / "trainer" / "task-3" / "checkpoint-2" / "scheduler.pt", weights_only=True)
+    assert scheduler["base_lrs"] and all(rate == 0.002 for rate in scheduler["base_lrs"])
+    optimizer = torch.load(output_dir / "trainer" / "task-3" / "checkpoint-2" / "optimizer.pt", weights_only=True)
+    assert all(group["initial_lr"] == 0.002 for group in optimizer["param_groups"])
 
 
 def test_settings_diff_flattens_and_allows_by_pattern():

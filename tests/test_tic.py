@@ -440,7 +440,6 @@ def test_registered_names():
     for name in ("sequential", "cumulative_all", "cumulative_exp", "cumulative_equal", "restart", "oracle",
                  "patching"):
         assert get_method_class(name).name == name
-    assert get_method_class("lwf").extra_forward_passes == 1.0 and get_method_class("ewc").extra_forward_passes == 0.0
 
 
 def test_a_task_smaller_than_one_batch_under_a_budget_is_an_error(tmp_path):

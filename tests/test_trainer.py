@@ -102,7 +102,8 @@ def test_logit_scale_is_clamped_after_each_step(tmp_path, clip_tokenizer):
     with torch.no_grad():
         model.logit_scale.fill_(7.0)  # exp(7) = 1097 > 100
     args = ContinualArguments(
-        output_dir=str(tmp_path), training={"max_steps": 1, "per_device_train_batch_size": 16}, progress=False
+        output_dir=str(tmp_path), training={"max_steps": 1, "per_device_train_batch_size": 16, "warmup_steps": 0},
+        progress=False
     )
     learner = ContinualLearner(model, stream, build_methods(["finetune"]), load_image_processor(32), clip_tokenizer, args)
     learner.fit()
@@ -137,7 +138,8 @@ def _fit_nan(tmp_path, clip_tokenizer, method, **training):
     stream = build_stream("digits", max_train_per_task=64, max_eval_per_task=8)
     stream.tasks = stream.tasks[:1]
     args = ContinualArguments(output_dir=str(tmp_path), progress=False, evaluate_initial=False,
-                              training={"per_device_train_batch_size": 16, "max_steps": 6, **training})
+                              training={"per_device_train_batch_size": 16, "max_steps": 6, "warmup_steps": 0,
+                                        **training})
     recorder = _Logs()
     learner = ContinualLearner(tiny_clip(), stream, [*build_methods(["finetune"]), method], load_image_processor(32),
                                clip_tokenizer, args, callbacks=[recorder])
@@ -191,3 +193,110 @@ def test_metrics_must_be_numbers_or_one_element_tensors(tmp_path, clip_tokenizer
     learner, _ = _fit_nan(tmp_path, clip_tokenizer, _BadMetric(), max_steps=1)
     with pytest.raises(TypeError, match=r"bad-metric/pair must be a number or a one-element tensor, got shape \(2,\)"):
         learner.fit()
+
+
+# ----- an update that overflows: the loss before it was finite (issue 25, item 10) -------------------------------
+class _NaNAfterLastStep(ContinualMethod):
+    """Sets a weight to NaN after the last optimizer step of task `task` (what lr=1e30 does to the last update: the
+    loss of that step, computed before it, is finite)."""
+
+    name = "nan-after-last-step"
+
+    def __init__(self, task: int):
+        super().__init__()
+        self.task = task
+
+    def post_optimizer_step(self, model, context):
+        if context.task_index == self.task and context.global_step == context.training_args.max_steps - 1:
+            with torch.no_grad():
+                model.text_projection.weight[0, 0] = float("nan")
+
+
+def test_a_nan_weight_after_the_last_update_is_neither_evaluated_nor_saved(tmp_path, clip_tokenizer):
+    from hf_ccl.checkpoint_files import verify_checkpoint
+    from hf_ccl.trainer import NonFiniteModelError
+
+    stream = build_stream("digits", max_train_per_task=32, max_eval_per_task=8)
+    stream.tasks = stream.tasks[:2]
+    args = ContinualArguments(output_dir=str(tmp_path), progress=False, evaluate_initial=False,
+                              training={"per_device_train_batch_size": 16, "max_steps": 2})
+    learner = ContinualLearner(tiny_clip(), stream, [*build_methods(["finetune"]), _NaNAfterLastStep(1)],
+                               load_image_processor(32), clip_tokenizer, args)
+    with pytest.raises(NonFiniteModelError, match=rf"task 1 \('digits-23'\), step 2; the last good checkpoint is "
+                                                  rf"kept at {tmp_path / 'task-0'}: weight text_projection\.weight, "
+                                                  r"output text_features on the last training batch hold NaN.*found "
+                                                  r"when the task's training ended"):
+        learner.fit()
+    verify_checkpoint(tmp_path / "task-0")  # the previous task's checkpoint, intact
+    assert not (tmp_path / "task-1").exists() and learner.results.num_trained == 1  # neither evaluated nor saved
+
+
+CLI_RUN = ["train", "--config", "digits", "progress=false", "training.max_steps=2",
+           "training.per_device_train_batch_size=16", "stream_args.max_train_per_task=32",
+           "stream_args.max_eval_per_task=12", "model.config.hidden_size=32", "model.config.num_layers=1"]
+
+
+def test_a_diverging_cli_run_exits_1_naming_the_step_and_saves_nothing_of_it(tmp_path, capsys):
+    """`training.learning_rate=1e30`: its last update overflows (the loss before it is finite); the run exited 0
+    and scored 100 % on every task. The Trainer checkpoint of the step before is kept; none of the diverged model."""
+    from hf_ccl.cli import main
+
+    overrides = [f"output_dir={tmp_path}", "training.learning_rate=1e30", "training.save_strategy=steps",
+                 "training.save_steps=1"]
+    assert main([*CLI_RUN, *overrides]) == 1
+    error = capsys.readouterr().err.strip().splitlines()
+    assert error[-1].startswith("hf-ccl: error: Non-finite model at task 0 ('digits-01'), step 2; no checkpoint was "
+                                "written yet: output image_features on the last training batch")
+    assert "found before saving checkpoint-2" in error[-1] and "resume_from_checkpoint=auto" in error[-1]
+    assert not (tmp_path / "task-0").exists() and not (tmp_path / "results.json").exists()
+    assert [path.name for path in (tmp_path / "trainer" / "task-0").glob("checkpoint-*")] == ["checkpoint-1"]
+
+
+@pytest.mark.slow
+def test_a_diverged_task_resumes_with_a_sane_learning_rate(tmp_path, capsys):
+    """Through the CLI: a run stopped after task 1 resumed with `training.learning_rate=1e30` (allowed) exits 1
+    naming task 2 and its step, task 1's checkpoint intact and nothing of task 2 saved; resumed again with a sane lr
+    it finishes with the matrix of the run that never diverged."""
+    import json
+    import shutil
+
+    from hf_ccl.checkpoint_files import verify_checkpoint
+    from hf_ccl.cli import main
+
+    run = [*CLI_RUN, f"output_dir={tmp_path}"]
+    resume = ["resume_from_checkpoint=true", "resume_allow_changes=[training.learning_rate]"]
+    assert main(run) == 0
+    reference = json.loads((tmp_path / "results.json").read_text())["rows"]
+    for index in (2, 3, 4):  # as if the run had been stopped after task 1
+        shutil.rmtree(tmp_path / f"task-{index}")
+    capsys.readouterr()
+
+    assert main([*run, *resume, "training.learning_rate=1e30"]) == 1
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("hf-ccl: error: Non-finite model at task 2 ('digits-45'), step 2; the last good "
+                            f"checkpoint is kept at {tmp_path / 'task-1'}: output image_features")
+    assert not (tmp_path / "task-2").exists()
+    verify_checkpoint(tmp_path / "task-1")
+
+    assert main([*run, *resume, "training.learning_rate=1e-3"]) == 0
+    assert json.loads((tmp_path / "results.json").read_text())["rows"] == reference
+
+
+def test_a_non_finite_model_is_not_scored_by_the_loop(tmp_path, clip_tokenizer):
+    """Evaluation's own check, through the loop: a model whose image tower outputs NaN (a checkpoint saved by a run
+    without these checks) fails at the initial evaluation, naming the model, the step and the task."""
+    from hf_ccl.evaluation import NonFiniteEmbeddingError
+
+    stream = build_stream("digits", max_train_per_task=16, max_eval_per_task=8)
+    stream.tasks = stream.tasks[:1]
+    model = tiny_clip()
+    with torch.no_grad():
+        model.visual_projection.weight.fill_(float("nan"))
+    args = ContinualArguments(output_dir=str(tmp_path), progress=False, training={"max_steps": 1, "warmup_steps": 0})
+    learner = ContinualLearner(model, stream, build_methods(["finetune"]), load_image_processor(32), clip_tokenizer,
+                               args)
+    with pytest.raises(NonFiniteEmbeddingError, match=r"Non-finite embeddings of the initial model \(global step 0; "
+                                                      r"no checkpoint was written\): task 'digits-01', eval split: "
+                                                      r"image_embeds: 8 of 8 rows"):
+        learner.fit()
+    assert not (tmp_path / "results.json").exists()

@@ -23,7 +23,7 @@ from hf_ccl.config import RunConfig, continual_fields, load_config
 from hf_ccl.continual import ContinualArguments
 from hf_ccl.methods import METHODS, build_methods
 from hf_ccl.run import check_config, run
-from hf_ccl.training_options import REFUSED, training_fields
+from hf_ccl.training_options import REFUSED, default_training, training_fields
 from hf_ccl.validation import ConfigError, check_value, redact_secrets
 
 HAS_GPU = torch.accelerator.is_available()
@@ -151,9 +151,9 @@ def test_a_token_is_never_printed(tmp_path, capsys):
     err = _refused(tmp_path, capsys, f"{TOKEN}=1")  # a token pasted as a key
     assert TOKEN not in err and "Unknown config key 'hf_***'" in err
     err = _refused(tmp_path, capsys, f"seed={TOKEN}")  # ... or as the value of another option
-    assert TOKEN not in err and "seed must be an integer, got 'hf_***'" in err
+    assert TOKEN not in err and "seed holds what looks like a Hugging Face token" in err
     err = _refused(tmp_path, capsys, f"training.hub_token={TOKEN}")
-    assert TOKEN not in err and "set HF_TOKEN" in err
+    assert TOKEN not in err and "HF_TOKEN" in err
     path = tmp_path / "secret.yaml"
     path.write_text(f"stream: digits\n{TOKEN}: 1\n")
     assert TOKEN not in _refused(tmp_path, capsys, config=str(path))
@@ -279,7 +279,7 @@ def test_continual_arguments_check_every_value():
     with pytest.raises(ConfigError, match="training.learning_rate must be a number, got 'abc'"):
         ContinualArguments(output_dir="x", training={"learning_rate": "abc"})
     args = ContinualArguments(output_dir="x", training={"learning_rate": "1e-3", "max_steps": 10.0})
-    assert args.training == {"learning_rate": 1e-3, "max_steps": 10}  # YAML 1.1 reads 1e-3 as a string
+    assert args.training == {**default_training(), "learning_rate": 1e-3, "max_steps": 10}  # YAML 1.1: a string
     assert isinstance(args.training["max_steps"], int)
 
 
@@ -370,3 +370,29 @@ def test_errors_of_checks_made_after_loading_name_where_the_value_was_given(tmp_
     assert f"method_args.joint: max_examples must be >= 1 or null, got 0 (in {path})" in err
     err = _refused(tmp_path, capsys, "methods=[joint, er]", config=str(path))
     assert f"(in {path} or the overrides)" in err
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["methods=[grow_vocab]", "method_args.grow_vocab.vocab_size=1000000000"],
+     "method_args.grow_vocab: vocab_size must be in [257, 1048576] (more than the 256-byte alphabet; at most 4x"),
+    (["methods=[grow_vocab]", "method_args.grow_vocab.context_length=1000000000"],
+     "method_args.grow_vocab: context_length must be in [2, 8192]"),
+    (["methods=[ctp]", "method_args.ctp.queue_size=1000000000"], "method_args.ctp: queue_size must be in [0, 1048576]"),
+    (["methods=[prompt]", "method_args.prompt.n_ctx=1000000000"], "method_args.prompt: n_ctx must be in [0, 8189]"),
+])
+def test_absurd_sizes_are_refused_before_anything_is_built(tmp_path, capsys, overrides, message):
+    """Sizes that would allocate beyond any machine (10^9 BPE tokens aborted the process in the tokenizers trainer;
+    a 10^9-row queue, position table or prompt raised a torch allocation error after the run had started)."""
+    assert message in _refused(tmp_path, capsys, *overrides)
+
+
+def test_a_prompt_longer_than_the_model_context_is_named_before_it_is_built(tmp_path, capsys):
+    """n_ctx within the bound but beyond this model's 77 positions: one line naming the option and the most it can
+    be, at the first task's start (before the prompt is allocated), not a failure inside the text tower."""
+    code = main(["train", "--config", "digits", f"output_dir={tmp_path / 'run'}", "progress=false",
+                 "evaluate_initial=false", "methods=[prompt]", "method_args.prompt.n_ctx=80",
+                 "model.config.hidden_size=32", "model.config.num_layers=1", "stream_args.max_train_per_task=8",
+                 "stream_args.max_eval_per_task=4"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 1 and err == ("hf-ccl: error: method_args.prompt.n_ctx=80 leaves no room for the text in the "
+                                 "model's 77 text positions (BOS, EOS and one token need 3): set it to at most 74")

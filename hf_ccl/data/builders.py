@@ -780,13 +780,13 @@ def _is_count(value: Any) -> bool:
 def read_class_order(path: str | Path) -> list[int | str]:
     """A class order from a YAML or JSON file: a bare list, or a mapping with a `class_order` list (the layout of
     MoE-Adapters' `cil/class_orders/*.yaml`)."""
-    import yaml
+    from ..safe_yaml import load_yaml
 
     path = Path(path).expanduser()
     if not path.is_file():
         raise ValueError(f"class_order: no such file {str(path)!r} (a YAML/JSON file with a `class_order` list)")
     with open(path, encoding="utf-8") as handle:
-        data = yaml.safe_load(handle)  # JSON is YAML
+        data = load_yaml(handle, f"class_order file {str(path)!r}")  # JSON is YAML
     if isinstance(data, Mapping):
         if "class_order" not in data:
             raise ValueError(f"class_order: file {str(path)!r} has no `class_order` key (keys: {', '.join(data)})")

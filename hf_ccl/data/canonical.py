@@ -21,7 +21,7 @@ from datasets import ClassLabel, Dataset, Features, IterableDataset, List, Value
 from datasets import Image as ImageFeature
 from datasets.utils import disable_progress_bars, enable_progress_bars, is_progress_bar_enabled
 
-from .images import PathBase, decode_image, resolve_image
+from .images import PathBase, check_image_feature, decode_image, resolve_image
 from .task import TaskKind
 from .templates import format_template
 
@@ -245,8 +245,9 @@ def canonical_split(
     if spec.label_column is not None and class_names is not None:
         _check_labels(ds, spec.source_column, class_names, f"Dataset {source!r}, split {split!r}")
     function = _batch_function(ds, spec, class_names, origin, f"{source}/{split}/")
-    ds = ds.cast_column(spec.image_column, ImageFeature(decode=False))
     base = base or PathBase(Path.cwd(), f"dataset {source!r}, split {split!r}")
+    check_image_feature(ds.features[spec.image_column], spec.image_column, base.origin)
+    ds = ds.cast_column(spec.image_column, ImageFeature(decode=False))
     ds = resolve_image_column(ds, spec.image_column, base, rows)
     if spec.image_column != "image":
         ds = ds.rename_column(spec.image_column, "image")

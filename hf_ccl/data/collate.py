@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..paths import default_tokenizer_path
+from ..paths import check_default_tokenizer
 from .image_cache import PIXELS_COLUMN, output_size, pixel_lookup, pixels_to_tensor
 from .images import decode_image
 
@@ -35,21 +35,16 @@ def stable_hash(text: str) -> int:
 
 def load_tokenizer(name_or_path: str | Path | None = None, **hub_kwargs: Any) -> Any:
     """Any HF tokenizer (a folder, or a Hub id with `hub_kwargs` such as `revision`), loaded as plain transformers
-    loads it (`AutoTokenizer`: a checkpoint is tokenized by hf_ccl as by any other client); default: the bundled CLIP
-    BPE tokenizer. Its `model_input_names` include `attention_mask` (batches always carry one; each family decides
+    loads it (`AutoTokenizer`: a checkpoint is tokenized by hf_ccl as by any other client); default: OpenAI CLIP's BPE
+    (`paths.default_tokenizer_source`). Its `model_input_names` include `attention_mask` (batches always carry one; each family decides
     whether its text tower reads it).
 
     One exception: a SigLIP 2 checkpoint written by hf_ccl before its tokenizer_config.json steered transformers
     (`hf_ccl.processors`) is loaded as the class that file names, the one it was trained with."""
     import transformers
 
-    if name_or_path is None:
-        name_or_path = default_tokenizer_path()
-        if not name_or_path.is_dir():
-            raise FileNotFoundError(
-                f"The bundled CLIP tokenizer is not at {name_or_path}: set HF_CCL_SHARED to the shared/ folder, or "
-                "pass a tokenizer name or path (config key `tokenizer`)"
-            )
+    if name_or_path is None:  # the shared folder's CLIP BPE, else the same one from the Hub (a pip install)
+        name_or_path = check_default_tokenizer()
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(name_or_path), **hub_kwargs)
     trained_class = _hf_ccl_trained_class(Path(name_or_path))
     if trained_class is not None and not isinstance(tokenizer, trained_class):

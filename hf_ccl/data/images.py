@@ -34,6 +34,28 @@ class PathBase:
     reason: str = ""
 
 
+#: Arrow types an image column may hold besides a `datasets.Image` feature: file paths, or encoded image bytes.
+IMAGE_VALUE_TYPES = ("string", "large_string", "binary", "large_binary")
+
+
+def check_image_feature(feature: Any, column: str, where: str) -> None:
+    """A `ValueError` naming `where` and `column` unless the column holds images: a `datasets.Image` feature, file
+    paths (strings), image bytes, or `{bytes, path}` structs (how `datasets` stores images)."""
+    from datasets import Image as ImageFeature
+    from datasets import Value
+
+    if feature is None or isinstance(feature, ImageFeature):
+        return
+    if isinstance(feature, Value) and feature.dtype in IMAGE_VALUE_TYPES:
+        return
+    if isinstance(feature, dict) and set(feature) <= {"bytes", "path"} and feature:
+        return
+    shown = feature.dtype if isinstance(feature, Value) else type(feature).__name__
+    raise ValueError(f"{where}: image column {column!r} holds {shown} values; it must hold images (a datasets.Image "
+                     "column), image file paths (strings) or encoded image bytes: set image_column to the column "
+                     "that does")
+
+
 def decode_image(value: Any, where: str) -> Image.Image:
     """Decode one `image` cell (a PIL image, or the `{"bytes", "path"}` dict of `datasets.Image(decode=False)`).
 

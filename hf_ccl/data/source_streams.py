@@ -19,7 +19,7 @@ from datasets import ClassLabel, IterableDataset
 from datasets import Image as ImageFeature
 
 from .canonical import CANONICAL_FEATURES, TextSpec, caption_batch, has_text, label_batch
-from .images import PathBase, resolve_image
+from .images import PathBase, check_image_feature, resolve_image
 from .streaming import shuffled
 from .templates import format_template
 from .timesteps import TimeSteps
@@ -133,6 +133,7 @@ def canonical_stream(
     columns += [id_column] if id_column is not None else []
     ds = rows.select_columns(list(dict.fromkeys(columns)))
     if ds.features is not None and spec.image_column in ds.features:  # rows are then never decoded while read
+        check_image_feature(ds.features[spec.image_column], spec.image_column, base.origin)
         ds = ds.cast_column(spec.image_column, ImageFeature(decode=False))
     if spec.image_column != "image":
         ds = ds.rename_column(spec.image_column, "image")

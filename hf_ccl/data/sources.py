@@ -127,8 +127,7 @@ def _load_path(path: str, split: str, version: tuple[int, int] | None) -> Datase
     del version
     local = Path(path)
     if local.is_file():
-        builder, options = _reader(local)
-        return load_dataset(builder, data_files=path, split="train", **options)
+        return _read_data_file(local)
     if (local / _SAVED_DATASET).is_file():
         return load_from_disk(path)
     if (local / _SAVED_DICT).is_file():
@@ -137,6 +136,39 @@ def _load_path(path: str, split: str, version: tuple[int, int] | None) -> Datase
             raise ValueError(f"Dataset folder {path!r} (save_to_disk) has no split {split!r}; splits: {', '.join(saved)}")
         return saved[split]
     return _with_split_error(path, split, lambda: load_dataset(path, split=split))
+
+
+def _read_data_file(path: Path) -> Dataset:
+    """A data file's rows; an empty or unreadable file is a `ValueError` naming it and what is wrong with it."""
+    if path.stat().st_size == 0:
+        raise ValueError(f"Data file {str(path)!r} is empty (0 bytes): give a file with rows")
+    builder, options = _reader(path)
+    try:
+        return load_dataset(builder, data_files=str(path), split="train", **options)
+    except Exception as error:  # datasets wraps the reader's error (pyarrow, pandas, json) in its own types
+        cause = _root_cause(error)
+        if _parquet_rows(path) == 0 or "corresponds to no data" in cause:  # (datasets' words for a header only)
+            raise ValueError(f"Data file {str(path)!r} has no rows: give a file with rows") from error
+        raise ValueError(f"Data file {str(path)!r} cannot be read as {builder}: {cause}") from error
+
+
+def _parquet_rows(path: Path) -> int | None:
+    """Rows of a parquet file by its footer; None for another file or an unreadable footer."""
+    if _reader(path)[0] != "parquet":
+        return None
+    import pyarrow.parquet as pq
+
+    try:
+        return int(pq.read_metadata(path).num_rows)
+    except Exception:  # not a parquet file after all: the caller reports the reader's error
+        return None
+
+
+def _root_cause(error: BaseException) -> str:
+    """The innermost cause of a chained exception, as `Type: message` (the reader's own words)."""
+    while error.__cause__ is not None or (error.__context__ is not None and not error.__suppress_context__):
+        error = error.__cause__ or error.__context__  # type: ignore[assignment]
+    return f"{type(error).__name__}: {error}"
 
 
 def _with_split_error(name: str, split: str, read: Any) -> Any:
@@ -178,6 +210,8 @@ def stream_split(data: str | os.PathLike, split: str) -> IterableDataset:
         raise ValueError(f"{data!r} is not read as a stream: use load_split(...).to_iterable_dataset()")
     path = local_path(data)
     if path is not None and path.is_file():
+        if path.stat().st_size == 0:
+            raise ValueError(f"Data file {str(path)!r} is empty (0 bytes): give a file with rows")
         builder, options = _reader(path)
         return load_dataset(builder, data_files=str(path), split="train", streaming=True, **options)
     name = str(path) if path is not None else os.fspath(data)

@@ -64,6 +64,10 @@ class Task:
     columns: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip() or not self.name.isprintable():
+            raise ValueError(f"Task name {self.name!r} must be a non-empty line of printable text (it names the task "
+                             "in results, cards and branches): name the task (e.g. the builder's `names`) or clean "
+                             "the column value it came from")
         if self.kind not in TASK_KINDS:
             raise ValueError(f"Task {self.name!r}: kind must be one of {list(TASK_KINDS)}, got {self.kind!r}")
         if self.kind == "classification" and not self.class_names:

@@ -1,6 +1,7 @@
 """Evaluation: Recall@K, zero-shot accuracy, the task-by-task results matrix and continual-learning metrics."""
 
 from .cache import EmbeddingCache
+from .checks import NonFiniteEmbeddingError, NotEvaluatedWarning
 from .continual_metrics import (
     average_incremental,
     backward_transfer,
@@ -34,6 +35,8 @@ from .zeroshot import zero_shot_accuracy, zero_shot_classifier
 
 __all__ = [
     "EmbeddingCache",
+    "NonFiniteEmbeddingError",
+    "NotEvaluatedWarning",
     "RankCounts",
     "ResultsMatrix",
     "ResultsRow",

@@ -15,6 +15,7 @@ from datasets import Dataset
 
 from ..data.task import Task
 from .cache import CacheSession, EmbeddingCache
+from .checks import NonFiniteEmbeddingError
 from .encode import encode_images, encode_texts
 from .pairs import evaluate_pair_task
 from .retrieval import captions_to_text_to_image, recall_at_k, unique_texts
@@ -151,16 +152,20 @@ def evaluate_task(
     the drift of their alignment matrix once learned (`hf_ccl.evaluation.pairs`).
     With `cache` (an `EmbeddingCache.session` of this model), embeddings whose producers did not change since they
     were computed are reused (`hf_ccl.evaluation.cache`). The model's training mode is restored afterwards.
+    Non-finite embeddings (a diverged model) raise `NonFiniteEmbeddingError` naming the task, never a score.
     """
-    if task.kind == "pair":
-        metrics = evaluate_pair_task(model, task)
-    elif task.kind == "retrieval":
-        metrics = _evaluate_retrieval(
-            model, task, image_processor, tokenizer, batch_size, max_length, chunk_size, cache
-        )
-    else:
-        metrics = _evaluate_classification(model, task, image_processor, tokenizer, batch_size, max_length, cache,
-                                           seen_class_names)
+    try:
+        if task.kind == "pair":
+            metrics = evaluate_pair_task(model, task)
+        elif task.kind == "retrieval":
+            metrics = _evaluate_retrieval(
+                model, task, image_processor, tokenizer, batch_size, max_length, chunk_size, cache
+            )
+        else:
+            metrics = _evaluate_classification(model, task, image_processor, tokenizer, batch_size, max_length, cache,
+                                               seen_class_names)
+    except NonFiniteEmbeddingError as error:
+        raise NonFiniteEmbeddingError(f"task {task.name!r}, eval split: {error}") from error
     if task.headline_metric not in metrics:
         raise RuntimeError(
             f"task {task.name!r}: headline metric {task.headline_metric!r} missing from {metrics}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,7 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from ..compute import TaskCompute, cost_table, cost_totals
+from ..compute import cost_table, cost_totals, task_records
+from ..files import write_text_atomic
+from .checks import NotEvaluatedWarning
 from .continual_metrics import summarize
 
 INITIAL_LABEL = "initial"
@@ -96,6 +99,8 @@ class ResultsMatrix:
         self.rows: list[ResultsRow] = []
         #: What each trained task cost (`hf_ccl.compute.TaskCompute` as dicts), set by the loop.
         self.cost: list[dict[str, Any]] = []
+        #: The run's start-up and initial evaluation (`hf_ccl.compute.RunPhases` as a dict), set by the loop.
+        self.cost_run: dict[str, Any] | None = None
         #: How the rows were evaluated (`eval_every`, `eval_max_examples`, rows per task), set by the loop.
         self.evaluation: dict[str, Any] | None = None
 
@@ -187,7 +192,9 @@ class ResultsMatrix:
 
         With k trained rows and k < T tasks, the derived metrics use the square top-left k x k block (the first k
         tasks, as if the stream had stopped there) and the first k initial scores; unseen tasks are left out.
-        A row that was not evaluated (`eval_every`) is NaN: every metric that reads one of its cells is NaN (null).
+        A row that was not evaluated (`eval_every`) is NaN: every metric that reads one of its cells is NaN (null),
+        without a `NotEvaluatedWarning` (the matrix records which rows were not evaluated). The cells are percentages
+        (`scale="percent"`: a weak model's scores may all be below 1).
         """
         k = min(self.num_trained, self.num_tasks)
         if k == 0:
@@ -195,8 +202,10 @@ class ResultsMatrix:
         initial = self.initial_headline()
         sizes = self.eval_sizes()
         class_incremental = sizes is not None and all(m == "seen_accuracy" for m in self.headline_metrics[:k])
-        return summarize(self.headline()[:k, :k], None if initial is None else initial[:k],
-                         sizes[:k] if class_incremental else None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", NotEvaluatedWarning)
+            return summarize(self.headline()[:k, :k], None if initial is None else initial[:k],
+                             sizes[:k] if class_incremental else None, scale="percent")
 
     def eval_sizes(self) -> list[int] | None:
         """Eval examples each task was scored on (from the recorded protocol), None when not recorded."""
@@ -214,7 +223,8 @@ class ResultsMatrix:
             "initial": None if self.initial is None else self.initial.to_dict(),
             "rows": [row.to_dict() for row in self.rows],
             "summary": {name: _json_safe(value) for name, value in self.summary().items()},
-            "cost": {"tasks": self.cost, **cost_totals(self.cost)} if self.cost else None,
+            "cost": {"tasks": self.cost, "run": self.cost_run, **cost_totals(self.cost, self.cost_run)}
+            if self.cost else None,
             "evaluation": self.evaluation,
         }
 
@@ -226,6 +236,7 @@ class ResultsMatrix:
             matrix.initial = ResultsRow.from_dict(data["initial"])
         matrix.rows = [ResultsRow.from_dict(row) for row in data.get("rows", [])]
         matrix.cost = list((data.get("cost") or {}).get("tasks", []))
+        matrix.cost_run = (data.get("cost") or {}).get("run")
         matrix.evaluation = data.get("evaluation")
         return matrix
 
@@ -233,8 +244,8 @@ class ResultsMatrix:
         """Write `results.json` and `results.md` into `directory` (created if needed); return the directory."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        _write_atomic(directory / RESULTS_JSON, json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n")
-        _write_atomic(directory / RESULTS_MD, self.to_markdown())
+        write_text_atomic(directory / RESULTS_JSON, json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n")
+        write_text_atomic(directory / RESULTS_MD, self.to_markdown())
         return directory
 
     @classmethod
@@ -249,7 +260,7 @@ class ResultsMatrix:
         lines += _headline_table(self)
         lines += ["", "## Derived metrics", ""]
         lines += _derived_table(self)
-        table = cost_table([TaskCompute(**record) for record in self.cost])
+        table = cost_table(task_records(self.cost), self.cost_run)
         if table:
             lines += ["", "## Cost", ""] + table
         return "\n".join(lines) + "\n"
@@ -328,8 +339,3 @@ def _derived_table(matrix: ResultsMatrix) -> list[str]:
     return lines
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Write via a temporary file and rename, so a crash never leaves a half-written file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)

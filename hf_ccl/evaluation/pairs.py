@@ -16,6 +16,7 @@ import torch
 from torch.func import functional_call
 
 from ..heads import pair_logits
+from .checks import check_finite_embeddings
 from .retrieval import RankCounts, hit_rate, single_positive_rank_counts
 
 KS = (1, 5, 10)
@@ -79,6 +80,8 @@ def evaluate_pair_task(model: Any, task: Any) -> dict[str, float]:
     heads = getattr(model, "learner_heads", None)
     similarity = heads.similarity if heads is not None else "dot"
     z_a, z_b = learner_outputs(heads, task, task.eval)
+    for z, modality in zip((z_a, z_b), task.modalities, strict=True):
+        check_finite_embeddings(z, f"{modality} learner outputs")
     metrics = pair_recall(pair_logits(z_a, z_b, 1.0, similarity))
     if similarity != "cosine":
         metrics.update(pair_recall(pair_logits(z_a, z_b, 1.0, "cosine"), prefix="cos_"))

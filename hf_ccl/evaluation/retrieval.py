@@ -30,6 +30,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .checks import check_finite_embeddings
+
 DEFAULT_KS = (1, 5, 10)
 SCORE_COLUMN_BLOCK = 4096  # candidates scored in float64, and compared, at a time
 
@@ -66,8 +68,7 @@ def _prepare(embeds: torch.Tensor, name: str) -> torch.Tensor:
     if embeds.ndim != 2:
         raise ValueError(f"{name} must be 2-D (n, d), got shape {tuple(embeds.shape)}")
     embeds = embeds.float()
-    if not torch.isfinite(embeds).all():
-        raise ValueError(f"{name} contains NaN or infinite values")
+    check_finite_embeddings(embeds, name)
     return F.normalize(embeds, dim=-1)
 
 

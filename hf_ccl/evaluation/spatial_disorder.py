@@ -33,6 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from ..callbacks import TaskCallback
 from ..distributed import is_main_process
+from ..files import write_text_atomic
 from .encode import encode_images, encode_texts
 from .evaluator import iter_column
 from .retrieval import captions_to_text_to_image, hit_rate, image_to_text_rank_counts
@@ -382,9 +383,12 @@ class SpatialDisorderCallback(TaskCallback):
         folder = Path(kwargs["folder"])
         if self.results:
             payload = {label: result.to_dict() for label, result in self.results.items()}
-            (folder / RESULTS_FILE).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+            write_text_atomic(folder / RESULTS_FILE, json.dumps(payload, indent=2) + "\n")
+            plot = folder / "spatial_disorder.png"
+            if plot.is_symlink():  # never written through a link planted in the run folder
+                plot.unlink()
             try:
-                plot_spatial_disorder(self.results, folder / "spatial_disorder.png")
+                plot_spatial_disorder(self.results, plot)
             except ImportError:
                 logger.info("matplotlib is not installed: spatial_disorder.png not written")
         if kwargs["task_folder"] and self.reference is not None:

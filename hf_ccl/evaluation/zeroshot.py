@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data.templates import format_template
+from .checks import check_finite_embeddings
 from .encode import encode_texts
 from .retrieval import hit_rate, similarity_scores, single_positive_rank_counts
 
@@ -72,10 +73,14 @@ def zero_shot_accuracy(
 
     Both embedding sets are L2-normalised here. As in `recall_at_k`, ties count in expectation (`hit_rate`): an image
     whose true class ties with c other classes at the top is right with probability 1/(c+1), so a model whose class
-    embeddings collapse scores chance, not 100%.
+    embeddings collapse scores chance, not 100%. Embeddings with NaN or infinite values (a diverged model) are
+    refused (`NonFiniteEmbeddingError`, naming the rows): they would compare as ties or as nothing at all.
     """
-    images = F.normalize(image_embeds.float(), dim=-1)
-    classes = F.normalize(class_embeds.float(), dim=-1).to(images.device)
+    images, classes = image_embeds.float(), class_embeds.float()
+    check_finite_embeddings(images, "image_embeds")
+    check_finite_embeddings(classes, "class_embeds")
+    images = F.normalize(images, dim=-1)
+    classes = F.normalize(classes, dim=-1).to(images.device)
     labels = torch.as_tensor(labels, dtype=torch.long, device=images.device).reshape(-1)
     if labels.numel() != images.shape[0]:
         raise ValueError(f"{labels.numel()} labels for {images.shape[0]} images")

@@ -17,6 +17,8 @@
 | `on_task_end`          | update method state after a task (teachers, Fisher, buffers)           |
 | `metrics`              | diagnostics logged beside the loss terms (not added to the loss)       |
 | `state_dict` / `load_state_dict` | what must survive a restart, saved beside each task checkpoint |
+| `check_model`          | refuse options the model cannot take (sizes), before the model is built |
+| `checkpoint_loader`    | (class attribute) the loader of the evaluated model, when the weights alone are another |
 
 Methods compose: a run holds a list of them and calls each hook of each, in order. Each method declares what rules
 out a combination or an order (`roles`, `conflicts`, `runs_after`, `runs_before`; checked by `build_methods`).
@@ -34,6 +36,7 @@ from datasets import Dataset
 from transformers import PreTrainedTokenizerBase, TrainingArguments
 
 from ..validation import ConfigError, check_mapping, type_hints
+from .loading import CheckpointLoader
 
 if TYPE_CHECKING:
     from ..data.reference import ReferenceData
@@ -153,9 +156,6 @@ class ContinualMethod:
 
     name: ClassVar[str] = ""
     config_class: ClassVar[type[MethodConfig]] = MethodConfig
-    #: Forward passes of other models per training example (frozen teachers, momentum encoders), for the MACs
-    #: estimate of `hf_ccl.compute`.
-    extra_forward_passes: ClassVar[float] = 0.0
     #: True when the method's loss terms are the whole loss: `ContinualTrainer` then leaves out the model's own
     #: contrastive loss (CLL-CLIP trains with its cross-lingual and cross-modal terms only).
     replaces_contrastive_loss: ClassVar[bool] = False
@@ -182,6 +182,10 @@ class ContinualMethod:
     runs_after: ClassVar[dict[str, str]] = {}
     #: Roles whose methods must come later in the method list: {role: why}.
     runs_before: ClassVar[dict[str, str]] = {}
+    #: How to load the model this method's runs evaluated when a checkpoint's weights alone, loaded with plain
+    #: transformers, are another model (part of it is kept in the method state); None when they are the evaluated
+    #: model. The model card's "How to use" gives it (`hf_ccl.methods.loading`).
+    checkpoint_loader: ClassVar[CheckpointLoader | None] = None
 
     def __init__(self, config: MethodConfig | dict[str, Any] | None = None):
         if config is None or isinstance(config, dict):
@@ -192,6 +196,16 @@ class ContinualMethod:
 
     def check_stream(self, stream: TaskStream) -> None:
         """Refuse a stream the method cannot train (raise ValueError), before anything is built or trained."""
+
+    def check_task_steps(self, task_index: int, task_name: str, steps: int) -> None:
+        """Refuse (raise ValueError naming the option) a task of `steps` optimizer steps that the method cannot
+        train as asked; called for every task before the stream trains (where the steps are known then) and again
+        before each task trains, with its exact count."""
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        """Refuse options the model cannot take (raise `ConfigError` naming `method_args.<method>.<option>`), from
+        its structure and sizes alone: `model` is the run's model on the meta device, before anything is built
+        (`hf_ccl.methods.sizes`), or the real model before the method changes it."""
 
     def on_task_start(self, context: TaskContext) -> None:
         """Called before a task trains. To change the model, assign `context.model`; to change the tokenizer, call
@@ -206,11 +220,6 @@ class ContinualMethod:
         The loop batches them with the task's collator (`hf_ccl.data.reference`); `loss_terms` reads the step's batch
         with `context.reference_batch(self)`."""
         return None
-
-    def step_macs(self, model: ContinualDualEncoder, context: TaskContext) -> float:
-        """Multiply-accumulates the method adds to every optimizer step beyond `extra_forward_passes` per example
-        (e.g. its reference batch's passes), for `hf_ccl.compute`; measured at the task's start."""
-        return 0.0
 
     def training_overrides(self, context: TaskContext, training: dict[str, Any]) -> dict[str, Any]:
         """TrainingArguments fields to change for this task, given the ones the loop would use (`training`, which

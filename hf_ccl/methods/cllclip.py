@@ -265,9 +265,6 @@ class CLLCLIP(ContinualMethod):
         "parameters of a parameter-efficient method placed before it",
     }
     config: CLLCLIPConfig
-    # The teacher encodes each example's image and English caption (once per task with its cache): at most one
-    # extra forward per example.
-    extra_forward_passes = 1.0
     replaces_contrastive_loss = True
 
     def __init__(self, config: CLLCLIPConfig | dict[str, Any] | None = None):

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..distributed import all_gather_no_grad
-from ..validation import check_range
+from ..validation import ConfigError, check_range
 from .base import ContinualMethod, MethodConfig, TaskContext
 from .ctp_losses import (
     DIVERGENCES,
@@ -59,6 +59,9 @@ if TYPE_CHECKING:
 #: theta_{t-1}'s share of (1 - m) in Eq. 3, per `momentum_mode` (Tab. 3: "only theta^t", "only theta^{t-1}").
 MOMENTUM_MODES = {"compatible": 0.5, "current": 0.0, "previous": 1.0}
 POSITIVES = ("mask", "diagonal")
+#: The largest feature queue: 1024x the paper's K (1024), 16x MoCo's largest (65,536). At 2^20 entries of a
+#: 1024-wide embedding the two queues already take 8 GiB; 10^9 entries would take terabytes.
+MAX_QUEUE_SIZE = 2**20
 
 
 @dataclass
@@ -120,8 +123,9 @@ class CTPConfig(MethodConfig):
                 raise ValueError(f"ctp: {name} must be in [0, 1), got {getattr(self, name)}")
         if self.momentum_mode not in MOMENTUM_MODES:
             raise ValueError(f"ctp: momentum_mode must be one of {sorted(MOMENTUM_MODES)}, got {self.momentum_mode!r}")
-        if self.queue_size < 0:
-            raise ValueError(f"ctp: queue_size must be >= 0, got {self.queue_size}")
+        if not 0 <= self.queue_size <= MAX_QUEUE_SIZE:
+            raise ConfigError(f"ctp: queue_size must be in [0, {MAX_QUEUE_SIZE}] (1024x the paper's K = 1024; each "
+                              f"entry holds an image and a text embedding), got {self.queue_size}", "queue_size")
         if self.temperature <= 0:
             raise ValueError(f"ctp: temperature must be > 0, got {self.temperature}")
         if self.topology_divergence not in DIVERGENCES:
@@ -138,7 +142,6 @@ class CTP(ContinualMethod):
     preservation against the previous-task model. Loss terms: `cmc`, `topology_cross`, `topology_same`."""
 
     name = "ctp"
-    extra_forward_passes = 2.0  # the momentum model and the previous-task model
     config_class = CTPConfig
     roles = {"previous_model": "builds its momentum model from the previous task's model and preserves its topology"}
     config: CTPConfig

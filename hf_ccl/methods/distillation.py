@@ -163,8 +163,6 @@ class TeacherMethod(ContinualMethod):
       resume is the checkpoint of the previous task, i.e. the very model it was taken from.
     """
 
-    extra_forward_passes = 1.0  # the teacher encodes every example once (less with the teacher cache)
-
     config_class = TeacherConfig
     roles = {
         "previous_model": "distils the previous task's model",

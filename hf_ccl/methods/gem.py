@@ -43,11 +43,10 @@ communication), so every process projects identically. After clipping, GEM's g̃
 `max_grad_norm` (A-GEM's projection never lengthens g). Put `gem` after other methods that edit gradients in
 `pre_optimizer_step` (DNS, TEIR) so that its constraints hold on the gradient the optimizer uses.
 
-Compute (`extra_forward_passes`): every step encodes and back-propagates the memory rows once per process: GEM all
+Compute (`rows_per_step`): every step encodes and back-propagates the memory rows once per process: GEM all
 rows of the past tasks' memories (min(memory_per_task, task size) per past task: 0 on the first task, growing with
-the task index), A-GEM min(reference_batch_size, rows in memory). The instance's value is set for the task being
-trained: 3 × rows per step / (per-device batch × accumulation steps), forward + backward ≈ 3 passes per row,
-relative to the training examples each process encodes per step (the class value 0.0 is the first task's).
+the task index), A-GEM min(reference_batch_size, rows in memory). The run's MACs measure this work
+(`hf_ccl.step_meter` counts `pre_optimizer_step` into the step).
 
 Pair tasks (CMCL's setting, Liu et al., "Continual Multimodal Contrastive Learning", NeurIPS 2025; spec cmcl.md §4,
 GEM with margin 0.5): list the method after `learner_heads`, which attaches the per-modality heads at task start,
@@ -72,7 +71,7 @@ import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -95,8 +94,6 @@ logger = logging.getLogger(__name__)
 #: The collated columns the memory loss reads (a pair task's: `FEATURE_COLUMNS`, with its modality names).
 MEMORY_COLUMNS = ("pixel_values", "pixel_attention_mask", "spatial_shapes", "input_ids", "attention_mask",
                   "text_hash", "image_hash")
-#: Forward + backward of one memory row, in forward passes (`hf_ccl.compute.BACKWARD_FACTOR`).
-PASSES_PER_MEMORY_ROW = 3.0
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -285,8 +282,6 @@ class EpisodicMemoryMethod(ContinualMethod):
 
     config_class = EpisodicMemoryConfig
     config: EpisodicMemoryConfig
-    #: Per-task on the instance (module docstring, "Compute"); the class value is the first task's (no memory yet).
-    extra_forward_passes: ClassVar[float] = 0.0
     roles = {
         "previous_model": "constrains each step not to increase the loss on the memories of previous tasks",
         "gradient_constraint": "rewrites each gradient under constraints from an episodic memory",
@@ -319,10 +314,8 @@ class EpisodicMemoryMethod(ContinualMethod):
 
     def training_overrides(self, context: TaskContext, training: dict[str, Any]) -> dict[str, Any]:
         """No override: checks, before training, that `parameters` select trainable parameters (every method's
-        `on_task_start` has run, so `requires_grad` is final), and sets this task's compute accounting."""
-        _, params = self.selected_parameters(context.model)
-        self._account(context.model, context, params, int(training.get("per_device_train_batch_size", 8)),
-                      int(training.get("gradient_accumulation_steps", 1)))
+        `on_task_start` has run, so `requires_grad` is final)."""
+        self.selected_parameters(context.model)
         return {}
 
     def on_task_end(self, context: TaskContext) -> None:
@@ -508,21 +501,11 @@ class EpisodicMemoryMethod(ContinualMethod):
         """Memory rows encoded and back-propagated per step while task `context.task_index` trains `params`."""
         raise NotImplementedError
 
-    def _account(
-        self, model: nn.Module, context: TaskContext, params: Sequence[nn.Parameter], per_device: int,
-        accumulation: int,
-    ) -> None:
-        examples = max(1, per_device * accumulation)
-        self.extra_forward_passes = PASSES_PER_MEMORY_ROW * self.rows_per_step(model, context, params) / examples
-
     def _start_step(self, model: nn.Module, context: TaskContext) -> tuple[list[nn.Parameter], torch.Tensor] | None:
         """The selected parameters and their flat gradient g, or None when there is no memory yet."""
         if not self.past_memories(context):
             return None
         _, params = self.selected_parameters(model)
-        args = context.training_args
-        if args is not None:
-            self._account(model, context, params, args.per_device_train_batch_size, args.gradient_accumulation_steps)
         return params, flat_grad(params)
 
     # ----- state ---------------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from ..distributed import is_main_process
-from ..validation import check_range
+from ..validation import ConfigError, check_range
 from .base import ContinualMethod, MethodConfig, TaskContext
 from .registry import register_method
 from .trainable import freeze_base, requires_grad_flags, restore_flags
@@ -251,9 +251,28 @@ class LoRA(ContinualMethod):
         base = self.base_models.get(task_index) if task_index is not None else None
         return self.config.to_peft(base_model_name_or_path=base)
 
+    def check_model(self, model: nn.Module) -> None:
+        """`r` may not exceed the rank of the layers it adapts (min(d_in, d_out) of the smallest targeted linear):
+        B A has at most that rank, so a larger r adds parameters and memory, not expressiveness. The targets must
+        match a layer of the model."""
+        key = "method_args.lora"
+        pattern = re.compile(target_module_regex(self.config.towers, self.config.target_modules))
+        targets = {name: module for name, module in model.named_modules()
+                   if isinstance(module, nn.Linear) and pattern.fullmatch(name.removesuffix(".base_layer"))}
+        if not targets:
+            raise ConfigError(f"{key}: target_modules {self.config.target_modules} of towers {self.config.towers} "
+                              f"match no linear layer of the {type(model).__name__}", f"{key}.target_modules")
+        name, layer = min(targets.items(), key=lambda item: min(item[1].in_features, item[1].out_features))
+        rank = min(layer.in_features, layer.out_features)
+        if self.config.r > rank:
+            raise ConfigError(f"{key}.r={self.config.r} exceeds the rank of the layers it adapts: {name} is "
+                              f"{layer.out_features} x {layer.in_features} (rank <= {rank}), and a larger r adds "
+                              f"parameters, not expressiveness: set r <= {rank}", f"{key}.r")
+
     def on_task_start(self, context: TaskContext) -> None:
         model = context.model
         index = context.task_index
+        self.check_model(model)
         self._flags = requires_grad_flags(model)
         if index == 0:
             base = getattr(model.config, "_name_or_path", None) or None

@@ -80,7 +80,13 @@ DDAS): the last trained task's router for images and texts alike; `frozen`: the 
 beside each checkpoint, restored exactly on resume, mid-task too). They are never written to `model.safetensors`
 (`_keys_to_ignore_on_save`; `plain_state_dict` leaves out `moe_adapters.`): every checkpoint is the unchanged frozen
 base model, which loads with plain transformers (`CLIPModel.from_pretrained`, ...) as the model WITHOUT the adapters
-(the frozen model, route -1). `load_moe_model(checkpoint_dir)` returns it with its adapters, routers and DDAS.
+(the frozen model, route -1), not the model the run scored. `load_moe_model(task_folder)` or
+`load_moe_model(repo_id, revision="task-<k>")` returns it with its adapters, routers and DDAS: the model the run
+evaluated, which `hf_ccl.evaluation.evaluate_task` scores exactly as `results.json` does. The model card's "How to
+use" says so (`MoEAdapters.checkpoint_loader`).
+
+**Sizes.** The adapters may not outnumber the model's own parameters (`check_model`, before the model is built when
+its config is local): 10^5 experts are refused up front, not after minutes of allocation.
 """
 
 from __future__ import annotations
@@ -101,7 +107,9 @@ from torch import nn
 from ..distributed import all_reduce_sum_
 from ..validation import ConfigError, check_range
 from .base import ContinualMethod, MethodConfig, TaskContext
+from .loading import CheckpointLoader, checkpoint_folder
 from .registry import register_method
+from .sizes import parameter_count
 from .state import STATE_JSON, load_method_states
 from .trainable import requires_grad_flags, restore_flags
 
@@ -743,6 +751,22 @@ def check_layers(model: nn.Module, towers: list[str]) -> dict[str, nn.ModuleList
     return found
 
 
+def added_parameters(model: nn.Module, config: MoEAdaptersConfig) -> int:
+    """Parameters the adapters add to `model` (meta or real) for its first task: every adapted layer's experts
+    (E x (2 D r + r + D)) and one router with its noise weights (2 D E), and one DDAS autoencoder (2 P c + P + c on
+    the P-dimensional embedding, with `ddas`). Later tasks add a router set and an autoencoder each."""
+    total = 0
+    for layers in check_layers(model, config.towers).values():
+        for layer in layers:
+            dim = layer.layer_norm2.normalized_shape[0]
+            total += config.num_experts * (2 * dim * config.bottleneck + config.bottleneck + dim)
+            total += 2 * dim * config.num_experts
+    if config.ddas:
+        embed_dim = int(getattr(model, "embed_dim", 0))
+        total += 2 * embed_dim * config.ddas_code_dim + embed_dim + config.ddas_code_dim
+    return total
+
+
 def install_moe_adapters(model: nn.Module, config: MoEAdaptersConfig, seed: int = 0) -> MoEAdapterBank:
     """Add a `MoEAdapterBank` (no routers yet) to `model` as `model.moe_adapters`, hooked into every encoder layer
     of `config.towers`; the experts are initialised from `seed`. The adapters are kept out of `save_pretrained`."""
@@ -807,6 +831,11 @@ class MoEAdapters(ContinualMethod):
     conflicts = {"parameter_efficient": "freezes the model but for its MoE adapters: each would freeze the other's "
                  "parameters"}
 
+    checkpoint_loader = CheckpointLoader(
+        module=__name__, function="load_moe_model",
+        keeps="its experts, per-task routers and DDAS auto-selector",
+        plain_model="the base model without the adapters (MoE-Adapters' frozen model, route -1)")
+
     def __init__(self, config: MoEAdaptersConfig | dict[str, Any] | None = None):
         super().__init__(config)
         self._state: dict[str, Any] | None = None  # a loaded state not yet installed into a model
@@ -815,12 +844,29 @@ class MoEAdapters(ContinualMethod):
         self.counts: dict[str, int] = {}
 
     # ----- hooks --------------------------------------------------------------------------------------------
+    def check_model(self, model: nn.Module) -> None:
+        """The adapters may not outnumber the parameters of the model they adapt (the bound of a parameter-efficient
+        method: past it, training them needs more memory than fine-tuning the model itself)."""
+        try:
+            added = added_parameters(model, self.config)
+        except ValueError as error:  # a family without CLIP-style layers: refused with its reason
+            raise ConfigError(str(error), "methods") from None
+        base = parameter_count(model, skip_prefix=BANK + ".")
+        if added > base:
+            option = "num_experts" if self.config.num_experts >= self.config.bottleneck else "bottleneck"
+            raise ConfigError(
+                f"method_args.{NAME}: num_experts={self.config.num_experts} experts of bottleneck "
+                f"{self.config.bottleneck} per adapted layer add {added:,} parameters, more than the {base:,} of the "
+                f"model they adapt (a parameter-efficient method adds fewer): lower num_experts or bottleneck",
+                f"method_args.{NAME}.{option}")
+
     def on_task_start(self, context: TaskContext) -> None:
         """Install the adapters (first task, or the first after a resume, from the method state), add this task's
         zero router, and freeze everything but the current router and the experts not frozen yet."""
         model = context.model
         bank = moe_bank(model)
         if bank is None:
+            self.check_model(model)
             self._flags = requires_grad_flags(model)
             bank = install_moe_adapters(model, self.config, seed=context.seed)
         else:
@@ -1060,12 +1106,13 @@ def train_autoencoder(
 # ----------------------------------------------------------------------------------------------------------------
 # Inference from a checkpoint
 # ----------------------------------------------------------------------------------------------------------------
-def load_moe_model(checkpoint_dir: str | Path) -> ContinualDualEncoder:
+def load_moe_model(name_or_path: str | Path, revision: str | None = None) -> ContinualDualEncoder:
     """A task checkpoint's model with its MoE adapters, routers and DDAS attached (from the method state beside
-    it), in eval mode: what the run evaluated. The checkpoint's weights alone are the frozen base model."""
+    it), in eval mode: what the run evaluated. `name_or_path`: a task folder (`output_dir/task-<k>/`) or a Hub
+    repository id with its `revision` (`task-<k>`). The checkpoint's weights alone are the frozen base model."""
     from ..families import load_continual_model
 
-    folder = Path(checkpoint_dir)
+    folder = checkpoint_folder(name_or_path, revision)
     states = json.loads((folder / STATE_JSON).read_text(encoding="utf-8"))
     if NAME not in states:
         raise ValueError(f"{folder / STATE_JSON} holds no '{NAME}' state (methods: {sorted(states)})")

@@ -43,7 +43,10 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
+from ..tokenization import MAX_CONTEXT_LENGTH
+from ..validation import ConfigError
 from .base import ContinualMethod, MethodConfig, TaskContext
+from .loading import CheckpointLoader, checkpoint_folder
 from .registry import register_method
 from .state import STATE_JSON, load_method_states
 from .trainable import freeze_base, requires_grad_flags, restore_flags
@@ -161,8 +164,10 @@ class PromptConfig(MethodConfig):
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"prompt schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}")
-        if self.n_ctx < 0:
-            raise ValueError(f"n_ctx must be >= 0, got {self.n_ctx}")
+        if not 0 <= self.n_ctx <= MAX_CONTEXT_LENGTH - 3:
+            raise ConfigError(f"n_ctx must be in [0, {MAX_CONTEXT_LENGTH - 3}] (the context vectors, BOS, EOS and a "
+                              f"token must fit the longest text context, {MAX_CONTEXT_LENGTH}), got {self.n_ctx}",
+                              "n_ctx")
         if not (self.init_std >= 0 and math.isfinite(self.init_std)):
             raise ValueError(f"init_std must be a finite number >= 0, got {self.init_std}")
 
@@ -179,6 +184,9 @@ class PromptLearning(ContinualMethod):
     }
     conflicts = {"parameter_efficient": "freezes the model but for its context vectors: each would freeze the "
                  "other's parameters"}
+    checkpoint_loader = CheckpointLoader(
+        module=__name__, function="load_prompted_model", keeps="its learned prompt (the context vectors)",
+        plain_model="the model without its learned prompt (texts embedded without the context vectors)")
 
     def __init__(self, config: PromptConfig | dict[str, Any] | None = None):
         super().__init__(config)
@@ -219,6 +227,10 @@ class PromptLearning(ContinualMethod):
     # ----- hooks -------------------------------------------------------------------------------------------
     def on_task_start(self, context: TaskContext) -> None:
         model = context.model
+        if not self.config.ctx_init and self.config.n_ctx + 3 > model.max_text_positions:
+            raise ValueError(f"method_args.prompt.n_ctx={self.config.n_ctx} leaves no room for the text in the "
+                             f"model's {model.max_text_positions} text positions (BOS, EOS and one token need 3): "
+                             f"set it to at most {model.max_text_positions - 3}")
         model.text_prompt = None
         self._flags = requires_grad_flags(model)
         ctx = self.initial_context(context)
@@ -281,11 +293,15 @@ def load_prompt(checkpoint_dir: str | Path, task_index: int | None = None) -> Te
     return load_prompt_method(checkpoint_dir).prompt_module(task_index)
 
 
-def load_prompted_model(checkpoint_dir: str | Path, task_index: int | None = None) -> ContinualCLIPModel:
+def load_prompted_model(
+    name_or_path: str | Path, task_index: int | None = None, revision: str | None = None
+) -> ContinualCLIPModel:
     """The checkpoint's CLIP (a `ContinualCLIPModel`) with its learned prompt attached: `get_text_features`,
-    `embed_texts` and the evaluation functions then use the prompt."""
+    `embed_texts` and the evaluation functions then use the prompt. `name_or_path`: a task folder or a Hub
+    repository id with its `revision` (`task-<k>`)."""
     from ..modeling import ContinualCLIPModel
 
+    checkpoint_dir = checkpoint_folder(name_or_path, revision)
     model = ContinualCLIPModel.from_pretrained(str(checkpoint_dir))
     weight = model.get_input_embeddings().weight
     model.text_prompt = load_prompt(checkpoint_dir, task_index).to(device=weight.device, dtype=weight.dtype)

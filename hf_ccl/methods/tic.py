@@ -8,7 +8,7 @@ Tab. 1; specs/ticclip.md §2.2 rules 1, 5, 6 and §2.4).
 | Oracle     | union of D_1..D_t   | fresh random init     | t x C   | every step, W_1 steps, cosine over tC |
 
 The replay strategies (Cumulative-All/-Exp/-Equal) are in `tic_replay.py`, Patching in `patching.py`; LwF and EWC are
-`lwf` and `ewc` (`extra_forward_passes` 1 and 0: the LwF teacher encodes each batch once; EWC's Fisher pass runs
+`lwf` and `ewc` (the LwF teacher's pass over each batch is measured in the run's MACs; EWC's Fisher pass runs
 after the task and is not counted as training compute).
 
 Step 1 is the same computation for every strategy (specs/ticclip.md §2.2: "Oracle and Restart at t=1 are the same

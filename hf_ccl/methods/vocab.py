@@ -38,7 +38,9 @@ import torch
 from datasets import Dataset
 
 from ..tokenization import (
+    MAX_LANGUAGE_VOCAB,
     POSITION_INITS,
+    check_context_length,
     copy_tokenizer,
     extend_tokenizer,
     set_context_length,
@@ -46,7 +48,7 @@ from ..tokenization import (
     vocabulary_report,
 )
 from ..tokenization_unigram import extend_unigram_tokenizer, tokenizer_model_type, train_language_unigram
-from ..validation import check_range
+from ..validation import ConfigError, check_range
 from .base import ContinualMethod, MethodConfig, TaskContext
 from .registry import register_method
 
@@ -94,10 +96,15 @@ class GrowVocabConfig(MethodConfig):
             raise ValueError(f"grow_vocab init must be one of {list(EMBEDDING_INITS)}, got {self.init!r}")
         if self.position_init not in POSITION_INITS:
             raise ValueError(f"grow_vocab position_init must be one of {list(POSITION_INITS)}, got {self.position_init!r}")
-        if self.vocab_size < 257:
-            raise ValueError(f"grow_vocab vocab_size must exceed the 256-byte alphabet, got {self.vocab_size}")
-        if self.context_length is not None and self.context_length < 2:
-            raise ValueError(f"grow_vocab context_length must be >= 2, got {self.context_length}")
+        if not 257 <= self.vocab_size <= MAX_LANGUAGE_VOCAB:
+            raise ConfigError(f"vocab_size must be in [257, {MAX_LANGUAGE_VOCAB}] (more than the 256-byte alphabet; "
+                              f"at most 4x the largest released vocabulary, 262,144), got {self.vocab_size}",
+                              "vocab_size")
+        if self.context_length is not None:
+            try:
+                check_context_length(self.context_length)
+            except ValueError as error:
+                raise ConfigError(str(error), "context_length") from None
         check_range("min_frequency", self.min_frequency, 0)
         check_range("init_std", self.init_std, 0)
         check_range("report_captions", self.report_captions, 0)

@@ -176,6 +176,15 @@ class WeightEnsemble:
         if self.due(step) and (not self.steps or step > self.steps[-1]):
             self.pending = int(step)
 
+    def check_steps(self, steps: int, where: str, option: str) -> None:
+        """Refuse a task of `steps` optimizer steps in which no snapshot would be due (its mean would be the task's
+        starting weights): `where` names the task, `option` the interval's config key."""
+        if not any(self.due(step) for step in range(1, min(steps, self.every + 1) + 1)):
+            raise ValueError(
+                f"{where} trains {steps} optimizer step(s), fewer than the weight ensemble's averaging interval "
+                f"({option}={self.every}, schedule {self.schedule!r}): its mean would be the task's starting weights "
+                f"and the task's training would be discarded. Lower {option} or train the task longer")
+
     @torch.no_grad()
     def apply(self, model: nn.Module) -> None:
         """Load the mean into `model`, in place (averaging in the final weights first if their step is due).
@@ -293,6 +302,9 @@ class WeightEnsembleMethod(ContinualMethod):
         super().__init__(config)
         self.ensemble = WeightEnsemble(self.config.every, self.config.schedule, self.config.offload)
         self.history: dict[int, list[int]] = {}  # task index -> the optimizer steps averaged (θ_0 besides)
+
+    def check_task_steps(self, task_index: int, task_name: str, steps: int) -> None:
+        self.ensemble.check_steps(steps, f"Task {task_index} ({task_name!r})", "method_args.weight_ensemble.every")
 
     def on_task_start(self, context: TaskContext) -> None:
         self.ensemble.reset()

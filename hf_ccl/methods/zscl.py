@@ -40,7 +40,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..compute import BACKWARD_FACTOR, forward_macs_per_sample
 from ..data.reference import ReferenceData, load_reference
 from ..validation import check_range
 from .base import ContinualMethod, MethodConfig, TaskContext
@@ -142,6 +141,10 @@ class ZSCL(ContinualMethod):
         if any(task.kind == "pair" for task in stream):
             raise ValueError("zscl trains image-text tasks; a pair stream's tasks have no images and captions")
 
+    def check_task_steps(self, task_index: int, task_name: str, steps: int) -> None:
+        if self.config.weight_ensemble:
+            self.ensemble.check_steps(steps, f"Task {task_index} ({task_name!r})", "method_args.zscl.ensemble_every")
+
     # ----- task start: the teacher, the reference set, the ensemble -----------------------------------------
     def on_task_start(self, context: TaskContext) -> None:
         model = context.model
@@ -166,20 +169,6 @@ class ZSCL(ContinualMethod):
                                split=config.reference_split, examples=config.reference_examples),
                 config.reference_batch_size)
         return self._reference
-
-    def step_macs(self, model: Any, context: TaskContext) -> float:
-        """The reference batch's passes, measured on step 0's batch: the teacher's forward of its images and texts,
-        and the student's with gradients (3 forward passes' worth) of its images and, with `student_texts`, texts."""
-        batch = context.reference_batch(self)
-        images = {name: batch[name] for name in model.image_input_names if name in batch}
-        image_macs = forward_macs_per_sample(model, {**images, "input_ids": batch["input_ids"][:1],
-                                                      "attention_mask": batch["attention_mask"][:1]})
-        both_macs = forward_macs_per_sample(model, {**images, "input_ids": batch["input_ids"],
-                                                     "attention_mask": batch["attention_mask"]})
-        rows = batch["input_ids"].shape[0]
-        text_macs = max(both_macs * rows - image_macs * rows, 0.0)  # (a single caption's share is negligible)
-        student = BACKWARD_FACTOR * (image_macs * rows + (text_macs if self.config.student_texts else 0.0))
-        return both_macs * rows + student
 
     # ----- the loss ------------------------------------------------------------------------------------------
     def loss_terms(self, model: Any, inputs: dict[str, torch.Tensor], outputs: Any, context: TaskContext

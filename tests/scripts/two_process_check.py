@@ -3,7 +3,9 @@
 1. The global-batch loss on 2 processes (each holding half the batch) equals the one-process loss on the whole batch,
    and so do the gradients after DDP-style averaging; also with each half split into 2 accumulated chunks through a
    DDP-wrapped model (`hf_ccl.accumulation`), a term on the parameters themselves included.
-2. A 2-task continual run with ContinualTrainer leaves identical parameters on both ranks.
+2. A 2-task continual run with ContinualTrainer is one DDP run: each rank's Trainer is distributed, the ranks batch
+   disjoint rows, and both end with identical parameters. Several processes that would not be one run are refused
+   (`training.use_cpu=false` on this CPU machine; a DataLoader that does not split the data).
 3. So does every registered method (with `tests/method_matrix.py`'s METHOD_ARGS), and the papers' compositions
    ([modx, er], [ctp, er], [lwf, er]): the same model state and the same method state on both ranks, bit for bit.
 4. 1 and 3 also on a tiny SigLIP: the sigmoid loss of each process's images against every process's texts, averaged
@@ -26,6 +28,7 @@ from accelerate import PartialState
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the method matrix
 from method_matrix import method_args, state_digests, task_stream  # noqa: E402
 
+from hf_ccl.callbacks import TaskCallback
 from hf_ccl.continual import ContinualArguments, ContinualLearner
 from hf_ccl.data.collate import load_image_processor, load_tokenizer
 from hf_ccl.data.named import build_stream
@@ -134,6 +137,25 @@ def accumulation_check(tokenizer, rank: int, world: int, family: str = "clip") -
             f"{prefix}accumulated_max_grad_diff": max_grad_diff}
 
 
+class RowsSeen(TaskCallback):
+    """Records, per task, the image ids this process's Trainer batched and how its Trainer is parallelised."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, list[str]] = {}
+        self.parallel: list[tuple[str, int]] = []
+
+    def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001
+        trainer, seen = kwargs["trainer"], self.rows.setdefault(kwargs["context"].task.name, [])
+        self.parallel.append((trainer.args.parallel_mode.value, trainer.args.world_size))
+        collate = trainer.data_collator
+
+        def recording(rows):  # noqa: ANN001
+            seen.extend(row["image_id"] for row in rows)
+            return collate(rows)
+
+        trainer.data_collator = recording
+
+
 def continual_run(tokenizer, output_dir: Path) -> dict:
     stream = build_stream("digits", max_train_per_task=128, max_eval_per_task=40)
     stream.tasks = stream.tasks[:2]
@@ -143,11 +165,36 @@ def continual_run(tokenizer, output_dir: Path) -> dict:
         training={"max_steps": 4, "per_device_train_batch_size": 16, "learning_rate": 1e-3, "logging_steps": 1},
         progress=False,
     )
-    learner = ContinualLearner(model, stream, build_methods(["finetune"]), load_image_processor(32), tokenizer, args)
+    seen = RowsSeen()
+    learner = ContinualLearner(model, stream, build_methods(["finetune"]), load_image_processor(32), tokenizer, args,
+                               task_callbacks=[seen])
     results = learner.fit()
     params = torch.cat([p.detach().flatten() for p in learner.model.parameters()])
     return {"param_sum": params.double().sum().item(), "param_abs_sum": params.double().abs().sum().item(),
-            "rows": results.num_trained}
+            "rows": results.num_trained, "rows_seen": seen.rows, "parallel": seen.parallel,
+            "samples_seen": [record.samples_seen for record in learner.compute],
+            "task_rows": [len(task.train) for task in stream]}
+
+
+def refusals(output_dir: Path) -> dict:
+    """What the guard says to processes that would each train alone: `training.use_cpu=false` on this machine
+    without a GPU, and a DataLoader that gives every process the same batches."""
+    from torch.utils.data import DataLoader
+
+    from hf_ccl.distributed import NotDistributedError, check_sharded_loader
+    from hf_ccl.validation import ConfigError
+
+    found = {}
+    try:
+        ContinualArguments(output_dir=str(output_dir / "refused"), training={"use_cpu": False})
+    except ConfigError as error:
+        found["use_cpu_false"] = str(error)
+    data = list(range(8))
+    try:
+        check_sharded_loader(DataLoader(data, batch_size=2), data)
+    except NotDistributedError as error:
+        found["unsharded_loader"] = str(error)
+    return found
 
 
 COMPOSITIONS = (("modx", "er"), ("ctp", "er"), ("lwf", "er"), ("learner_heads", "dns"), ("learner_heads", "ewc"))
@@ -212,6 +259,7 @@ def main() -> None:
         **global_batch_check(tokenizer, rank, world, "siglip"),
         **accumulation_check(tokenizer, rank, world, "siglip"),
         **continual_run(tokenizer, output_dir),
+        "refused": refusals(output_dir),
         **method_matrix(tokenizer, output_dir, only),
     }
     (output_dir / f"rank{rank}.json").write_text(json.dumps(report))

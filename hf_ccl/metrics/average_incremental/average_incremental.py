@@ -15,5 +15,5 @@ class AverageIncremental(modules.MatrixMetric):
     inputs_description = modules.MATRIX_INPUTS
     needs = ()
     metrics = {
-        "average_incremental": lambda R, initial=None, sizes=None: cm.average_incremental(R),
+        "average_incremental": modules.of_matrix(cm.average_incremental),
     }

@@ -15,5 +15,5 @@ class BackwardTransfer(modules.MatrixMetric):
     inputs_description = modules.MATRIX_INPUTS
     needs = ()
     metrics = {
-        "backward_transfer": lambda R, initial=None, sizes=None: cm.backward_transfer(R),
+        "backward_transfer": modules.of_matrix(cm.backward_transfer),
     }

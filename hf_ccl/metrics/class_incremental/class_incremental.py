@@ -15,6 +15,6 @@ class ClassIncremental(modules.MatrixMetric):
     inputs_description = modules.MATRIX_INPUTS
     needs = ('sizes',)
     metrics = {
-        "class_incremental_average": lambda R, initial=None, sizes=None: cm.class_incremental_average(R, sizes),
-        "class_incremental_last": lambda R, initial=None, sizes=None: cm.class_incremental_last(R, sizes),
+        "class_incremental_average": modules.of_matrix_and_sizes(cm.class_incremental_average),
+        "class_incremental_last": modules.of_matrix_and_sizes(cm.class_incremental_last),
     }

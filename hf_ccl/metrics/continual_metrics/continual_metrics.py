@@ -14,6 +14,7 @@ class ContinualMetrics(modules.MatrixMetric):
     description = "Every continual-learning summary of a results matrix (hf_ccl.evaluation.continual_metrics)."
     inputs_description = modules.MATRIX_INPUTS
 
-    def _compute(self, predictions, initial=None, sizes=None, **options):
-        modules.check_options(self.name, options)
-        return cm.summarize(modules.as_matrix(predictions), initial, sizes)
+    def _compute(self, predictions, initial=None, sizes=None, scale=None, **options):
+        self.check_inputs(predictions, None, initial=initial, sizes=sizes, scale=scale, **options)
+        matrix, scale = modules.checked_matrix(predictions, initial, scale)
+        return cm.summarize(matrix, initial, sizes, scale=scale)

@@ -15,5 +15,5 @@ class FinalAverage(modules.MatrixMetric):
     inputs_description = modules.MATRIX_INPUTS
     needs = ()
     metrics = {
-        "final_average": lambda R, initial=None, sizes=None: cm.final_average(R),
+        "final_average": modules.of_matrix(cm.final_average),
     }

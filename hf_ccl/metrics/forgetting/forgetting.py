@@ -15,5 +15,5 @@ class Forgetting(modules.MatrixMetric):
     inputs_description = modules.MATRIX_INPUTS
     needs = ()
     metrics = {
-        "forgetting": lambda R, initial=None, sizes=None: cm.forgetting(R),
+        "forgetting": modules.of_matrix(cm.forgetting),
     }

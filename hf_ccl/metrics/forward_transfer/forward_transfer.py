@@ -15,5 +15,5 @@ class ForwardTransfer(modules.MatrixMetric):
     inputs_description = modules.MATRIX_INPUTS
     needs = ('initial',)
     metrics = {
-        "forward_transfer": lambda R, initial=None, sizes=None: cm.forward_transfer(R, initial),
+        "forward_transfer": modules.of_matrix_and_initial(cm.forward_transfer),
     }

@@ -15,7 +15,7 @@ class MTIL(modules.MatrixMetric):
     inputs_description = modules.MATRIX_INPUTS
     needs = ()
     metrics = {
-        "mtil_transfer": lambda R, initial=None, sizes=None: cm.mtil_transfer(R),
-        "mtil_average": lambda R, initial=None, sizes=None: cm.mtil_average(R),
-        "mtil_last": lambda R, initial=None, sizes=None: cm.mtil_last(R),
+        "mtil_transfer": modules.of_matrix(cm.mtil_transfer),
+        "mtil_average": modules.of_matrix(cm.mtil_average),
+        "mtil_last": modules.of_matrix(cm.mtil_last),
     }

@@ -12,6 +12,8 @@ from hf_ccl.evaluation import retrieval
 
 class RecallAtK(modules.EmbeddingMetric):
     description = "Image-to-text and text-to-image Recall@K (percent), every caption of an image a positive."
+    other = "image_embeds"
+    names = ("text_embeds", "image_embeds")
     inputs_description = """
 Args:
     predictions: one embedding per caption (a list of floats each).

@@ -10,14 +10,14 @@ import hf_ccl.evaluation.continual_metrics as cm
 import hf_ccl.metrics.modules as modules
 
 
-class TiC(modules.MatrixMetric):
+class Tic(modules.MatrixMetric):  # evaluate names a module after its class: "TiC" would load as "ti_c"
     description = "TiC-CLIP's in-domain, backward and forward transfer, and their relative forms."
     inputs_description = modules.MATRIX_INPUTS
     needs = ()
     metrics = {
-        "tic_id": lambda R, initial=None, sizes=None: cm.tic_in_domain(R),
-        "tic_bwt": lambda R, initial=None, sizes=None: cm.tic_backward(R),
-        "tic_fwt": lambda R, initial=None, sizes=None: cm.tic_forward(R),
-        "tic_rel_bwt": lambda R, initial=None, sizes=None: cm.tic_relative_backward(R),
-        "tic_rel_fwt": lambda R, initial=None, sizes=None: cm.tic_relative_forward(R),
+        "tic_id": modules.of_matrix(cm.tic_in_domain),
+        "tic_bwt": modules.of_matrix(cm.tic_backward),
+        "tic_fwt": modules.of_matrix(cm.tic_forward),
+        "tic_rel_bwt": modules.of_matrix(cm.tic_relative_backward),
+        "tic_rel_fwt": modules.of_matrix(cm.tic_relative_forward),
     }

@@ -13,6 +13,8 @@ from hf_ccl.evaluation import zeroshot
 
 class ZeroShotAccuracy(modules.EmbeddingMetric):
     description = "Zero-shot top-K accuracy (percent) of image embeddings against class embeddings."
+    other = "class_embeds"
+    names = ("image_embeds", "class_embeds")
     inputs_description = """
 Args:
     predictions: one embedding per image (a list of floats each).

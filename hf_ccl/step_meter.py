@@ -1,0 +1,97 @@
+"""What one process's training steps of a task did: the rows it batched and the multiply-accumulates (MACs) of its
+optimizer steps, measured (`StepMeter`, kept by `hf_ccl.trainer.ContinualTrainer`, read by `hf_ccl.compute`)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+#: Batch entries whose first dimension is the batch's rows, in the order they are looked for.
+ROW_KEYS = ("input_ids", "pixel_values", "features_a")
+
+
+def batch_rows(batch: Mapping[str, Any]) -> int:
+    """Examples in a collated batch (the first dimension of its inputs)."""
+    for key in (*ROW_KEYS, *batch):
+        value = batch.get(key)
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+    raise ValueError(f"cannot tell the rows of a batch with entries {sorted(batch)}")
+
+
+def step_shape(chunks: Sequence[Mapping[str, Any]]) -> str:
+    """The shapes of every tensor of every micro-batch of an optimizer step, as a key: steps with the same key do the
+    same multiplications."""
+    return ";".join(",".join(f"{key}:{'x'.join(map(str, value.shape))}" for key, value in sorted(chunk.items())
+                             if isinstance(value, torch.Tensor)) for chunk in chunks)
+
+
+class StepMeter:
+    """Rows batched and MACs of the optimizer steps of one task on this process.
+
+    `batch` counts every micro-batch the Trainer hands over. `step` wraps an optimizer step's forward and backward:
+    the first step of each `step_shape` runs under `FlopCounterMode` (which counts the backward too), and so do the
+    methods' hooks around its optimizer step (`hooks`); every later step of that shape counts the MACs the first one
+    measured. The counts are this process's: `hf_ccl.compute` sums them over processes."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.steps: dict[str, int] = {}
+        self.macs_per_step: dict[str, float] = {}
+        #: Steps trained before a resume that restored no counts (a checkpoint of an older version): not measured.
+        self.unmeasured_steps = 0
+        self._measuring: str | None = None  # the shape whose first step is being measured
+
+    def batch(self, batch: Mapping[str, Any]) -> None:
+        self.samples += batch_rows(batch)
+
+    @contextlib.contextmanager
+    def step(self, chunks: Sequence[Mapping[str, Any]]) -> Iterator[None]:
+        """Around one optimizer step's forward and backward over its micro-batches `chunks`."""
+        key = step_shape(chunks)
+        self.steps[key] = self.steps.get(key, 0) + 1
+        self._measuring = None
+        if key in self.macs_per_step:
+            yield
+            return
+        with self._counted(key):
+            yield
+        self._measuring = key
+
+    @contextlib.contextmanager
+    def hooks(self) -> Iterator[None]:
+        """Around the methods' work between backward and the next step (pre- and post-optimizer-step hooks): counted
+        into the step being measured."""
+        if self._measuring is None:
+            yield
+            return
+        with self._counted(self._measuring):
+            yield
+
+    @contextlib.contextmanager
+    def _counted(self, key: str) -> Iterator[None]:
+        counter = FlopCounterMode(display=False)
+        with counter:
+            yield
+        self.macs_per_step[key] = self.macs_per_step.get(key, 0.0) + counter.get_total_flops() / 2.0
+
+    @property
+    def macs(self) -> float:
+        """MACs of this process's steps; steps that were not measured count at the mean of those that were."""
+        measured = sum(count * self.macs_per_step.get(key, 0.0) for key, count in self.steps.items())
+        steps = sum(self.steps.values())
+        return measured + (self.unmeasured_steps * measured / steps if steps else 0.0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"samples": self.samples, "steps": dict(self.steps), "macs_per_step": dict(self.macs_per_step),
+                "unmeasured_steps": self.unmeasured_steps}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.samples = int(state["samples"])
+        self.steps = {str(key): int(value) for key, value in state["steps"].items()}
+        self.macs_per_step = {str(key): float(value) for key, value in state["macs_per_step"].items()}
+        self.unmeasured_steps = int(state.get("unmeasured_steps", 0))
