@@ -296,3 +296,47 @@ def test_a_checkpoint_without_tokenizer_or_image_processor_gets_the_defaults_wit
     assert type(image_processor).__name__ == "SiglipImageProcessorPil" and image_processor.size["height"] == 32
     assert "has no tokenizer: using the bundled CLIP tokenizer" in caplog.text
     assert "has no image processor (preprocessor_config.json): using the siglip family's default" in caplog.text
+
+
+def test_each_family_saves_its_own_processor_class(tokenizer):
+    """SigLIP 2's `Siglip2Processor` only where its built-in image defaults (256 patches of 16 px) are the model's:
+    they would override the image processor's own settings when the processor is called."""
+    from transformers import Siglip2ImageProcessorPil, Siglip2Tokenizer
+
+    from hf_ccl.processors import family_processor, needs_auto_map
+
+    for family, name in [("clip", "CLIPProcessor"), ("metaclip_2", "CLIPProcessor"), ("siglip", "SiglipProcessor"),
+                         ("altclip", "AltCLIPProcessor"), ("chinese_clip", "ChineseCLIPProcessor"),
+                         ("siglip2", "SiglipProcessor")]:
+        model = tiny_model(family)
+        assert type(family_processor(model, default_image_processor(model), tokenizer)).__name__ == name, family
+    model = tiny_model("siglip2")
+    native = Siglip2ImageProcessorPil(patch_size=16, max_num_patches=256)
+    assert type(family_processor(model, native, tokenizer)).__name__ == "Siglip2Processor"
+    # transformers forces Siglip2Tokenizer on siglip2 checkpoints: any other class needs the auto_map, that one none
+    assert needs_auto_map("siglip2", tokenizer) and not needs_auto_map("siglip", tokenizer)
+    assert not needs_auto_map("siglip2", Siglip2Tokenizer())
+
+
+def test_a_siglip2_checkpoint_s_tokenizer_loads_as_plain_transformers_loads_it(tmp_path, tokenizer):
+    """Google's SigLIP 2 checkpoints name GemmaTokenizer; transformers loads them as Siglip2Tokenizer (lowercased),
+    and so does hf_ccl. A SigLIP 2 checkpoint hf_ccl wrote before it steered transformers (no `auto_map`) loads as
+    the class it names, the one it was trained with."""
+    from transformers import AutoTokenizer, Siglip2Tokenizer
+
+    google = tmp_path / "google"
+    tiny_model("siglip2").config.save_pretrained(google)
+    letters = {f"<{name}>": i for i, name in enumerate(["pad", "eos", "bos", "unk", "mask"])}
+    Siglip2Tokenizer(vocab={**letters, **{chr(97 + i): 5 + i for i in range(26)}, "▁": 31}).save_pretrained(google)
+    config = json.loads((google / "tokenizer_config.json").read_text())
+    (google / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "GemmaTokenizer"}))
+    loaded = load_tokenizer(google)
+    assert type(loaded) is type(AutoTokenizer.from_pretrained(google)) is Siglip2Tokenizer
+    assert loaded("Ab C")["input_ids"] == loaded("ab c")["input_ids"]  # SigLIP 2 was trained on lowercased text
+
+    older = tmp_path / "older"
+    tiny_model("siglip2").config.save_pretrained(older)
+    tokenizer.save_pretrained(older)
+    (older / "continual_state.json").write_text("{}")
+    assert type(AutoTokenizer.from_pretrained(older)) is Siglip2Tokenizer  # what plain transformers does with it
+    assert load_tokenizer(older)("a dog")["input_ids"] == tokenizer("a dog")["input_ids"]
