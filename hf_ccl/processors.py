@@ -14,7 +14,8 @@ SigLIP 2: transformers 5 loads every `siglip2` checkpoint's tokenizer as `Siglip
 with Gemma's lowercasing and pieces, which gives other ids. When the run's tokenizer is of another class, the saved
 `tokenizer_config.json` gets an `auto_map` naming the class: AutoTokenizer skips that forcing for a checkpoint with
 an `auto_map` and, without `trust_remote_code`, ignores the entry itself and loads the class the file names
-(`AUTO_MAP_NOTE`).
+(`AUTO_MAP_NOTE`). With `trust_remote_code=True` it looks for the module's file in the repository, finds none and
+says so (an OSError naming `tokenization_clip.py`, for a CLIP tokenizer).
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def save_processor(folder: str | Path, model: ContinualDualEncoder, image_proces
     config.update(text_convention(model, max_length))
     config.pop("auto_map", None)
     if needs_auto_map(model.config.model_type, tokenizer):
-        name = type(tokenizer).__name__
-        config["auto_map"] = {"AutoTokenizer": [f"{type(tokenizer).__module__}.{name}", None]}
+        name, module = type(tokenizer).__name__, type(tokenizer).__module__.rpartition(".")[2]
+        config["auto_map"] = {"AutoTokenizer": [f"{module}.{name}", None]}  # transformers' own module, by its name
         config["tokenizer_class"] = name
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")

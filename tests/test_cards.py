@@ -305,7 +305,7 @@ def test_the_card_states_siglip_s_convention_and_where_the_pipeline_differs(tmp_
     tokenizer = {"tokenizer_class": "CLIPTokenizer", "padding": "max_length", "max_length": length,
                  "truncation": True, "model_input_names": ["input_ids"]}
     if model_type == "siglip2":
-        tokenizer["auto_map"] = {"AutoTokenizer": ["transformers.models.clip.tokenization_clip.CLIPTokenizer", None]}
+        tokenizer["auto_map"] = {"AutoTokenizer": ["tokenization_clip.CLIPTokenizer", None]}
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer))
     text = str(build_model_card(folder))
     assert (f'- Texts: the saved `CLIPTokenizer`, padded to {length} tokens (`padding="max_length"`), truncated at '

@@ -233,10 +233,13 @@ def test_the_saved_tokenizer_carries_each_family_s_convention(runs):
         assert config["padding"] == ("max_length" if sigmoid else "longest"), family
         assert config["model_input_names"] == (["input_ids"] if sigmoid else ["input_ids", "attention_mask"])
         assert config["max_length"] == (64 if sigmoid else 77) and config["truncation"] is True
-        assert ("auto_map" in config) == (family == "siglip2")
+        assert config.get("auto_map") == ({"AutoTokenizer": ["tokenization_clip.CLIPTokenizer", None]}
+                                          if family == "siglip2" else None)
         assert not {"is_local", "local_files_only"} & set(config)
         text = json.loads((output_dir / "task-1" / "config.json").read_text())["text_config"]
         assert all(0 <= text[name] < text["vocab_size"] for name in ("bos_token_id", "eos_token_id")), family
+    with pytest.raises(OSError, match="tokenization_clip.py"):  # the card: load it without trust_remote_code
+        AutoTokenizer.from_pretrained(runs["siglip2"] / "task-1", trust_remote_code=True)
 
 
 def test_a_run_from_a_hub_checkpoint_uses_its_own_tokenizer_and_image_processor(runs, small_tokenizer):
