@@ -36,8 +36,8 @@ def stable_hash(text: str) -> int:
 def load_tokenizer(name_or_path: str | Path | None = None, **hub_kwargs: Any) -> Any:
     """Any HF tokenizer (a folder, or a Hub id with `hub_kwargs` such as `revision`), loaded as plain transformers
     loads it (`AutoTokenizer`: a checkpoint is tokenized by hf_ccl as by any other client); default: OpenAI CLIP's BPE
-    (`paths.default_tokenizer_source`). Its `model_input_names` include `attention_mask` (batches always carry one; each family decides
-    whether its text tower reads it).
+    (`paths.default_tokenizer_source`). Its `model_input_names` include `attention_mask` (batches always carry one;
+    each family decides whether its text tower reads it).
 
     One exception: a SigLIP 2 checkpoint written by hf_ccl before its tokenizer_config.json steered transformers
     (`hf_ccl.processors`) is loaded as the class that file names, the one it was trained with."""
