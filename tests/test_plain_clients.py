@@ -254,3 +254,19 @@ def test_a_run_from_a_hub_checkpoint_uses_its_own_tokenizer_and_image_processor(
         assert {key: image[key] for key in IMAGE_STATS} == IMAGE_STATS, family
         state = json.loads((saved / "continual_state.json").read_text())
         assert state["base_model"] == f"{NAMESPACE}/third-party-{family}"
+
+
+def test_a_hub_checkpoint_without_a_tokenizer_that_the_default_does_not_fit_is_an_error(hub, small_tokenizer, tmp_path):
+    from huggingface_hub import HfApi
+
+    from hf_ccl.config import RunConfig
+    from hf_ccl.families import load_continual_model
+    from hf_ccl.run import load_processors
+
+    repo = f"{NAMESPACE}/no-tokenizer"
+    _third_party_checkpoint("siglip", tmp_path, small_tokenizer)
+    HfApi().create_repo(repo)
+    HfApi().upload_folder(repo_id=repo, folder_path=tmp_path, allow_patterns=["config.json", "model.safetensors"])
+    config = RunConfig(model={"pretrained": repo}, output_dir=str(tmp_path / "run"))
+    with pytest.raises(ValueError, match="has no tokenizer .* vocabulary \\(814 tokens\\) is not the bundled CLIP"):
+        load_processors(config, load_continual_model(repo))
