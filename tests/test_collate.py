@@ -137,9 +137,10 @@ def test_works_as_dataloader_collate_fn(tokenizer, processor, shared_data_root) 
     assert [b["pixel_values"].shape[0] for b in batches] == [4, 4, 2]
 
 
-def test_missing_shared_tokenizer_is_a_clear_error(tmp_path, monkeypatch):
+def test_missing_shared_tokenizer_without_the_hub_is_a_clear_error(tmp_path, monkeypatch):
+    """No shared folder and no Hub (the tests run offline): the error names both ways to provide the tokenizer."""
     monkeypatch.setenv("HF_CCL_SHARED", str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="set HF_CCL_SHARED"):
+    with pytest.raises(OSError, match=r"not in the shared folder .*openai/clip-vit-base-patch32.* Set HF_CCL_SHARED"):
         load_tokenizer()
 
 
