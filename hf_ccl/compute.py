@@ -401,12 +401,12 @@ def trained_counts(trainer: Any) -> tuple[int, float, bool]:
     """(samples, MACs, whether every step was measured) of a task's training steps, summed over the processes
     (every process calls this)."""
     meter = trainer.step_meter
-    unmeasured = meter.unmeasured_steps
-    totals = torch.tensor([meter.samples, meter.macs, unmeasured], dtype=torch.float64, device=trainer.args.device)
-    samples, macs, unmeasured = all_reduce_sum_(totals).tolist()
+    totals = torch.tensor([meter.samples, meter.macs, meter.unmeasured_steps, not meter.measured],
+                          dtype=torch.float64, device=trainer.args.device)
+    samples, macs, unmeasured, estimated = all_reduce_sum_(totals).tolist()
     if unmeasured:  # a resume restored no counts: those steps' batches are taken as whole
         samples += meter.unmeasured_steps * global_batch_size(trainer.args.to_dict())
-    return int(samples), macs, not unmeasured
+    return int(samples), macs, not (unmeasured or estimated)
 
 
 class ComputeCallback(TaskCallback):

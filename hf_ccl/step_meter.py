@@ -44,19 +44,28 @@ class StepMeter:
         self.macs_per_step: dict[str, float] = {}
         #: Steps trained before a resume that restored no counts (a checkpoint of an older version): not measured.
         self.unmeasured_steps = 0
+        #: Shapes whose MACs are an estimate (a compiled model: `FlopCounterMode` would make dynamo run it eagerly).
+        self.estimated: set[str] = set()
         self._measuring: str | None = None  # the shape whose first step is being measured
 
     def batch(self, batch: Mapping[str, Any]) -> None:
         self.samples += batch_rows(batch)
 
     @contextlib.contextmanager
-    def step(self, chunks: Sequence[Mapping[str, Any]]) -> Iterator[None]:
-        """Around one optimizer step's forward and backward over its micro-batches `chunks`."""
+    def step(self, chunks: Sequence[Mapping[str, Any]], estimate: Any = None) -> Iterator[None]:
+        """Around one optimizer step's forward and backward over its micro-batches `chunks`. `estimate`: for a
+        compiled model, a function of the chunks giving the step's MACs without running it (the step itself runs
+        compiled, unmeasured; the shape is marked estimated)."""
         key = step_shape(chunks)
         self.steps[key] = self.steps.get(key, 0) + 1
         self._measuring = None
         if key in self.macs_per_step:
             yield
+            return
+        if estimate is not None:
+            yield
+            self.macs_per_step[key] = float(estimate(chunks))
+            self.estimated.add(key)
             return
         with self._counted(key):
             yield
@@ -86,12 +95,18 @@ class StepMeter:
         steps = sum(self.steps.values())
         return measured + (self.unmeasured_steps * measured / steps if steps else 0.0)
 
+    @property
+    def measured(self) -> bool:
+        """Whether every step's MACs were measured (none estimated, none from before a resume without counts)."""
+        return not self.unmeasured_steps and not self.estimated
+
     def state_dict(self) -> dict[str, Any]:
         return {"samples": self.samples, "steps": dict(self.steps), "macs_per_step": dict(self.macs_per_step),
-                "unmeasured_steps": self.unmeasured_steps}
+                "unmeasured_steps": self.unmeasured_steps, "estimated": sorted(self.estimated)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.samples = int(state["samples"])
         self.steps = {str(key): int(value) for key, value in state["steps"].items()}
         self.macs_per_step = {str(key): float(value) for key, value in state["macs_per_step"].items()}
         self.unmeasured_steps = int(state.get("unmeasured_steps", 0))
+        self.estimated = {str(key) for key in state.get("estimated", [])}

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from accelerate.utils.memory import clear_device_cache
+from torch.utils.flop_counter import FlopCounterMode
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -288,7 +289,7 @@ class ContinualTrainer(Trainer):
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
-        with self.step_meter.step(chunks):
+        with self.step_meter.step(chunks, self._estimated_step_macs if self.args.torch_compile else None):
             if len(chunks) == 1:
                 with self.compute_loss_context_manager():
                     loss = self.compute_loss(model, chunks[0])
@@ -299,6 +300,24 @@ class ContinualTrainer(Trainer):
         if empty_every is not None and self.state.global_step % empty_every == 0:
             clear_device_cache()
         return loss.detach()
+
+    def _estimated_step_macs(self, chunks: list[Batch]) -> float:
+        """MACs of a compiled model's step, estimated: a forward of the uncompiled model on each micro-batch,
+        measured (eval mode, no gradients, the RNG untouched), times 3 for forward and backward (one more forward
+        per chunk under exact accumulation). A compiled step is not measured directly: under `FlopCounterMode`
+        dynamo would run it eagerly."""
+        model = self.unwrapped_model()
+        was_training = model.training
+        model.eval()
+        counter = FlopCounterMode(display=False)
+        try:
+            with torch.random.fork_rng(devices=[]), torch.no_grad(), counter:
+                for chunk in chunks:
+                    self.compute_loss(model, chunk)
+        finally:
+            model.train(was_training)
+        passes = 3.0 + (1.0 if len(chunks) > 1 else 0.0)
+        return counter.get_total_flops() / 2.0 * passes
 
     def _accumulated_step(self, model: torch.nn.Module, chunks: list[Batch]) -> torch.Tensor:
         """Forward and backward over several micro-batches as one batch (`hf_ccl.accumulation`)."""

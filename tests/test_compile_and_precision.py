@@ -19,7 +19,8 @@ FAST_BACKEND = "aot_eager"
 
 class CompiledEveryTask(TrainerCallback):
     """Records, per task, whether every training forward of the model ran inside a `torch.compile`d graph (a
-    forward hook's `torch.compiler.is_compiling()`: True when traced, replayed as True by the compiled graph)."""
+    forward hook's `torch.compiler.is_compiling()`: True when traced, replayed as True by the compiled graph). The
+    eval-mode forward that estimates a compiled step's MACs (`hf_ccl.step_meter`) is not a training forward."""
 
     def __init__(self) -> None:
         self.compiled: list[list[bool]] = []
@@ -28,7 +29,11 @@ class CompiledEveryTask(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):  # noqa: ANN001 (callback protocol)
         self.compiled.append([])
         calls = self.compiled[-1]
-        self._handle = model.register_forward_hook(lambda _m, _i, _o: calls.append(torch.compiler.is_compiling()))
+        def record(module, _inputs, _outputs):  # noqa: ANN001 (training forwards only: not the MAC estimate's)
+            if module.training:
+                calls.append(torch.compiler.is_compiling())
+
+        self._handle = model.register_forward_hook(record)
 
     def on_train_end(self, args, state, control, **kwargs):  # noqa: ANN001
         self._handle.remove()
@@ -76,6 +81,7 @@ def test_every_method_trains_compiled_on_every_task(tmp_path, method):
     assert learner.results.num_trained == 2
     assert all(math.isfinite(logs["loss"]) for _, logs in recorder.logs if "loss" in logs)
     assert not any("_orig_mod" in name for name, _ in learner.model.named_parameters())
+    assert all(record.macs > 0 and not record.macs_measured for record in learner.compute)  # estimated, and said so
 
 
 @pytest.mark.parametrize("method", REPRESENTATIVE_MATRIX)
