@@ -343,6 +343,9 @@ def test_methods_on_a_real_stream_and_state_round_trip(tmp_path, clip_tokenizer)
             "per_device_train_batch_size": 16,
             "logging_steps": 1,
             "learning_rate": 1e-3,
+            "warmup_steps": 0,  # every step moves the weights (SI's path integral needs all three)
+            "lr_scheduler_type": "linear",
+            "weight_decay": 0.0,
         },
         progress=False,
         evaluate_initial=False,

@@ -130,7 +130,8 @@ def test_bad_options_are_refused():
 
 def test_a_task_shorter_than_the_ensemble_interval_is_refused_not_discarded(tmp_path):
     """4 optimizer steps with ensemble_every=10: the mean would be the task's starting weights (all its training
-    thrown away), so the run stops with the reason instead of deploying it."""
+    thrown away), so the run stops with the reason before it trains (the apply-time guard stays for a task that
+    turns out shorter than planned)."""
     from hf_ccl.continual import ContinualArguments, ContinualLearner
 
     stream = build_stream("digits", max_train_per_task=32)
@@ -140,5 +141,6 @@ def test_a_task_shorter_than_the_ensemble_interval_is_refused_not_discarded(tmp_
                               training={"num_train_epochs": 1, "per_device_train_batch_size": 8})
     learner = ContinualLearner(model, stream, build_methods(["zscl"], {"zscl": {**SMALL, "ensemble_every": 10}}),
                                default_image_processor(model), load_tokenizer(), args)
-    with pytest.raises(ValueError, match="averaged no weights.*ensemble_every"):
+    with pytest.raises(ValueError, match=r"trains 4 optimizer step\(s\), fewer than .*ensemble_every=10"):
         learner.fit()
+    assert learner.results.num_trained == 0
