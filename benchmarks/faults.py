@@ -516,6 +516,60 @@ class Faults:
 
         return run
 
+    def two_cpu_processes(self, tmp: Path, *extra: str) -> Outcome:
+        """The README's `accelerate launch --multi_gpu --num_processes 2 recipes/train.py` on this CPU machine."""
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        output_dir = tmp / "run"
+        env = {key: value for key, value in environment().items() if not key.startswith("ACCELERATE_")}
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+                   str(port), str(REPO / "recipes" / "train.py"), *BASE, f"output_dir={output_dir}", *extra]
+        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        ran = Ran(done.returncode, done.stdout, done.stderr)
+        if extra:  # a setting that keeps each process's Trainer alone: refused
+            if ran.code == 0:
+                return Outcome("SILENT WRONG RESULT", "0", "two processes trained alone")
+            said = [line for line in ran.err.splitlines() if line.startswith("hf-ccl: error:")]
+            if not said or "use_cpu" not in said[0] or (output_dir.exists() and any(output_dir.iterdir())):
+                return Outcome("UNCLEAR ERROR", exit_text(ran.code), said[0] if said else ran.message)
+            return Outcome("refused before work", f"{exit_text(ran.code)} (each process: 2)", said[0])
+        if ran.code != 0:
+            return self.judge.error(ran)
+        tasks = json.loads((output_dir / "compute.json").read_text())["tasks"]
+        # 48 rows a task, 24 per process in batches of 16 and 8: 4 steps are 2 epochs, 96 rows (duplicated: 128)
+        seen = [task["samples_seen"] for task in tasks]
+        if seen != [96] * 5:
+            return Outcome("SILENT WRONG RESULT", "0", f"samples seen per task {seen}, expected 96 (2 epochs of 48)")
+        return Outcome("recovered", "0", f"one DDP run; samples seen per task {seen} (2 epochs of 48 rows)")
+
+    def partial_batches(self, tmp: Path) -> Outcome:
+        """20 rows a task in batches of 16, one epoch: 20 samples seen, not 32."""
+        output_dir = tmp / "run"
+        ran = cli(output_dir, "stream_args.max_train_per_task=20", "training.max_steps=-1",
+                  "training.num_train_epochs=1", "training.save_strategy='no'", "training.save_steps=null")
+        if ran.code != 0:
+            return self.judge.error(ran)
+        tasks = json.loads((output_dir / "compute.json").read_text())["tasks"]
+        seen = [task["samples_seen"] for task in tasks]
+        if seen != [20] * 5:
+            return Outcome("SILENT WRONG RESULT", "0", f"samples seen per task {seen}, 20 rows each")
+        return Outcome("recovered", "0", f"samples seen per task {seen}; MACs measured: "
+                       f"{all(task.get('macs_measured') for task in tasks)}")
+
+    def pretrained_without_tokenizer(self, tmp: Path) -> Outcome:
+        """A saved model folder (a 1,000-token vocabulary) without tokenizer files, given as model.pretrained."""
+        folder = tmp / "model"
+        code = ("import sys; from hf_ccl.testing import tiny_model; "
+                "tiny_model('clip', vocab_size=1000).save_pretrained(sys.argv[1])")
+        subprocess.run([sys.executable, "-c", code, str(folder)], cwd=REPO, env=environment(), check=True,
+                       capture_output=True)
+        ran = cli(tmp / "run", f"model.pretrained={folder}", "model.config={}")
+        return Judge.refused(ran, tmp / "run", "tokenizer")
+
     def diverged_then_sane(self, tmp: Path) -> Outcome:
         """The last update of task 0 overflows (lr 1e30): an error naming the step, nothing of the bad weights saved;
         a resume with a sane learning rate ends as the uninterrupted run."""
@@ -856,6 +910,14 @@ def build_cases(faults: Faults) -> list[Case]:
              k.allowed_label_change),
         Case("interruption", "SIGTERM in the first task", "SIGTERM at step 3 (after a Trainer checkpoint), resume",
              k.sigterm_first_task),
+        Case("processes", "two CPU processes, the README's command", "accelerate launch --multi_gpu "
+             "--num_processes 2 recipes/train.py (no ACCELERATE_USE_CPU)", lambda tmp: k.two_cpu_processes(tmp)),
+        Case("processes", "two CPU processes that would train alone", "the same with training.use_cpu=false",
+             lambda tmp: k.two_cpu_processes(tmp, "training.use_cpu=false")),
+        Case("cost", "the last partial batch of every epoch", "20 rows a task, batches of 16, 1 epoch",
+             k.partial_batches),
+        Case("bad input", "a checkpoint without its tokenizer", "model.pretrained=<a model-only save, 1,000 tokens>",
+             k.pretrained_without_tokenizer),
         Case("late failure", "a diverging last update", "training.learning_rate=1e30, then resume with 0.001",
              k.diverged_then_sane),
         Case("late failure", "weight ensemble longer than a task", "methods=[zscl] (ensemble_every 100, 4 steps)",
