@@ -488,101 +488,6 @@ class Faults:
             return Outcome("DATA LOST", outcome.exit, "a file outside the run folder was overwritten through a link")
         return outcome
 
-    def allowed_label_change(self, tmp: Path) -> Outcome:
-        output_dir = tmp / "run"
-        shutil.copytree(self.killed_run, output_dir)
-        ran = cli(output_dir, "resume_from_checkpoint=true", "stream_args.label_space=all",
-                  "resume_allow_changes=[stream*]")
-        if ran.code != 0:
-            return self.judge.error(ran)
-        state = json.loads((latest_task(output_dir) / "continual_state.json").read_text())
-        recorded = [change.get("key") for change in state.get("resume_changes", [])]
-        card = (latest_task(output_dir) / "README.md").read_text()
-        if not any(".labels." in key for key in recorded) or not any(key in card for key in recorded):
-            return Outcome("SILENT WRONG RESULT", "0", f"the change is not recorded (resume_changes: {recorded})")
-        return Outcome("recovered", "0", "resumed; the label change is recorded in continual_state.json and the card")
-
-    def resumed_with_other_model(self, *overrides: str, names: str) -> Callable[[Path], Outcome]:
-        """A resume whose model is of another family or size than the checkpoint's: refused before it is built."""
-
-        def run(tmp: Path) -> Outcome:
-            output_dir = tmp / "run"
-            shutil.copytree(self.killed_run, output_dir)
-            ran = cli(output_dir, "resume_from_checkpoint=true", *overrides)
-            if ran.code == 0:
-                return Outcome("SILENT WRONG RESULT", "0", "resumed into another model")
-            outcome = Judge.refused(ran, tmp / "none", names)
-            return outcome
-
-        return run
-
-    def two_cpu_processes(self, tmp: Path, *extra: str) -> Outcome:
-        """The README's `accelerate launch --multi_gpu --num_processes 2 recipes/train.py` on this CPU machine."""
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        output_dir = tmp / "run"
-        env = {key: value for key, value in environment().items() if not key.startswith("ACCELERATE_")}
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-                   str(port), str(REPO / "recipes" / "train.py"), *BASE, f"output_dir={output_dir}", *extra]
-        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-        ran = Ran(done.returncode, done.stdout, done.stderr)
-        if extra:  # a setting that keeps each process's Trainer alone: refused
-            if ran.code == 0:
-                return Outcome("SILENT WRONG RESULT", "0", "two processes trained alone")
-            said = [line for line in ran.err.splitlines() if line.startswith("hf-ccl: error:")]
-            if not said or "use_cpu" not in said[0] or (output_dir.exists() and any(output_dir.iterdir())):
-                return Outcome("UNCLEAR ERROR", exit_text(ran.code), said[0] if said else ran.message)
-            return Outcome("refused before work", f"{exit_text(ran.code)} (each process: 2)", said[0])
-        if ran.code != 0:
-            return self.judge.error(ran)
-        tasks = json.loads((output_dir / "compute.json").read_text())["tasks"]
-        # 48 rows a task, 24 per process in batches of 16 and 8: 4 steps are 2 epochs, 96 rows (duplicated: 128)
-        seen = [task["samples_seen"] for task in tasks]
-        if seen != [96] * 5:
-            return Outcome("SILENT WRONG RESULT", "0", f"samples seen per task {seen}, expected 96 (2 epochs of 48)")
-        return Outcome("recovered", "0", f"one DDP run; samples seen per task {seen} (2 epochs of 48 rows)")
-
-    def partial_batches(self, tmp: Path) -> Outcome:
-        """20 rows a task in batches of 16, one epoch: 20 samples seen, not 32."""
-        output_dir = tmp / "run"
-        ran = cli(output_dir, "stream_args.max_train_per_task=20", "training.max_steps=-1",
-                  "training.num_train_epochs=1", "training.save_strategy='no'", "training.save_steps=null")
-        if ran.code != 0:
-            return self.judge.error(ran)
-        tasks = json.loads((output_dir / "compute.json").read_text())["tasks"]
-        seen = [task["samples_seen"] for task in tasks]
-        if seen != [20] * 5:
-            return Outcome("SILENT WRONG RESULT", "0", f"samples seen per task {seen}, 20 rows each")
-        return Outcome("recovered", "0", f"samples seen per task {seen}; MACs measured: "
-                       f"{all(task.get('macs_measured') for task in tasks)}")
-
-    def pretrained_without_tokenizer(self, tmp: Path) -> Outcome:
-        """A saved model folder (a 1,000-token vocabulary) without tokenizer files, given as model.pretrained."""
-        folder = tmp / "model"
-        code = ("import sys; from hf_ccl.testing import tiny_model; "
-                "tiny_model('clip', vocab_size=1000).save_pretrained(sys.argv[1])")
-        subprocess.run([sys.executable, "-c", code, str(folder)], cwd=REPO, env=environment(), check=True,
-                       capture_output=True)
-        ran = cli(tmp / "run", f"model.pretrained={folder}", "model.config={}")
-        return Judge.refused(ran, tmp / "run", "tokenizer")
-
-    def diverged_then_sane(self, tmp: Path) -> Outcome:
-        """The last update of task 0 overflows (lr 1e30): an error naming the step, nothing of the bad weights saved;
-        a resume with a sane learning rate ends as the uninterrupted run."""
-        output_dir = tmp / "run"
-        first = cli(output_dir, "training.learning_rate=1e30")
-        if first.code == 0:
-            return Outcome("SILENT WRONG RESULT", "0", "a diverging run exited 0")
-        if "step" not in first.message or list(output_dir.glob("task-*")):
-            return Outcome("UNCLEAR ERROR", exit_text(first.code), first.message)
-        ran = cli(output_dir, "resume_from_checkpoint=auto", "resume_allow_changes=[training.learning_rate]",
-                  "training.learning_rate=0.001")
-        return self.judge.resumed(ran, output_dir, exit_text(first.code))
-
     def refused_before_training(self, overrides: tuple[str, ...], names: str) -> Callable[[Path], Outcome]:
         """A run that cannot train as asked, known from the stream: an error before any task trains."""
 
@@ -613,18 +518,26 @@ class Faults:
 
         return run
 
-    def allowed_change(self, tmp: Path) -> Outcome:
-        output_dir = tmp / "run"
-        shutil.copytree(self.killed_run, output_dir)
-        ran = cli(output_dir, "resume_from_checkpoint=true", "training.learning_rate=0.002",
-                  "resume_allow_changes=[training.learning_rate]")
-        if ran.code != 0:
-            return self.judge.error(ran)
-        state = json.loads((latest_task(output_dir) / "continual_state.json").read_text())
-        recorded = [change.get("key") for change in state.get("resume_changes", [])]
-        if "training.learning_rate" not in recorded:
-            return Outcome("SILENT WRONG RESULT", "0", f"the change is not recorded (resume_changes: {recorded})")
-        return Outcome("recovered", "0", "resumed; the change is recorded in continual_state.json")
+    def allowed_change(self, overrides: tuple[str, ...], key_part: str, card: bool = False
+                       ) -> Callable[[Path], Outcome]:
+        """A resume with a change `resume_allow_changes` lets through: it must be recorded (a key containing
+        `key_part` in continual_state.json's resume_changes, and with `card` in the model card)."""
+
+        def run(tmp: Path) -> Outcome:
+            output_dir = tmp / "run"
+            shutil.copytree(self.killed_run, output_dir)
+            ran = cli(output_dir, "resume_from_checkpoint=true", *overrides)
+            if ran.code != 0:
+                return self.judge.error(ran)
+            state = json.loads((latest_task(output_dir) / "continual_state.json").read_text())
+            recorded = [change.get("key") for change in state.get("resume_changes", [])]
+            text = (latest_task(output_dir) / "README.md").read_text()
+            if not any(key_part in key for key in recorded) or (card and not any(key in text for key in recorded)):
+                return Outcome("SILENT WRONG RESULT", "0", f"the change is not recorded (resume_changes: {recorded})")
+            return Outcome("recovered", "0", "resumed; the change is recorded in continual_state.json" +
+                           (" and the card" if card else ""))
+
+        return run
 
     def finished_run_resumed(self, tmp: Path) -> Outcome:
         output_dir = tmp / "run"
@@ -857,7 +770,8 @@ def build_cases(faults: Faults) -> list[Case]:
         Case("folder", "resume with another subsample", "stream_args.max_train_per_task=40",
              k.changed_on_resume("stream_args.max_train_per_task=40", "max_train_per_task")),
         Case("folder", "resume with an allowed change", "resume_allow_changes=[training.learning_rate]",
-             k.allowed_change),
+             k.allowed_change(("training.learning_rate=0.002", "resume_allow_changes=[training.learning_rate]"),
+                              "training.learning_rate")),
         Case("folder", "resume a finished run", "results.json deleted, resume", k.finished_run_resumed),
         Case("damaged", "bytes flipped in model.safetensors", "64 bytes inverted, resume",
              k.damaged(lambda d: flip_bytes(latest_task(d) / "model.safetensors") or "model.safetensors", "error")),
@@ -907,7 +821,8 @@ def build_cases(faults: Faults) -> list[Case]:
         Case("folder", "resume with another label space", "stream_args.label_space=all",
              k.changed_on_resume("stream_args.label_space=all", "label_space")),
         Case("folder", "resume with an allowed label-space change", "resume_allow_changes=[stream*]",
-             k.allowed_label_change),
+             k.allowed_change(("stream_args.label_space=all", "resume_allow_changes=[stream*]"), ".labels.",
+                              card=True)),
         Case("interruption", "SIGTERM in the first task", "SIGTERM at step 3 (after a Trainer checkpoint), resume",
              k.sigterm_first_task),
         Case("processes", "two CPU processes, the README's command", "accelerate launch --multi_gpu "
