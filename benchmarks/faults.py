@@ -415,18 +415,28 @@ class Faults:
             subprocess.run(["umount", "-l", str(mount)], check=False)
 
     # --- folders ---
-    def concurrent(self, tmp: Path) -> Outcome:
-        output_dir = tmp / "run"
-        slow = ["training.max_steps=12"]
-        first = subprocess.Popen([sys.executable, "-m", "hf_ccl.cli", "train", *BASE, *slow, f"output_dir={output_dir}"],
-                                 cwd=REPO, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    @staticmethod
+    def during_a_run(output_dir: Path, first_overrides: list[str], *second_overrides: str
+                     ) -> tuple[subprocess.CompletedProcess, Ran, bool]:
+        """Start a run in `output_dir`, run a second one there once the first has written run_config.yaml; the
+        first's result, the second's, and whether the first was still running when the second ended."""
+        first = subprocess.Popen([sys.executable, "-m", "hf_ccl.cli", "train", *BASE, *first_overrides,
+                                  f"output_dir={output_dir}"], cwd=REPO, env=environment(), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
         deadline = time.time() + 120
         while not (output_dir / "run_config.yaml").exists() and time.time() < deadline and first.poll() is None:
-            time.sleep(0.2)
-        second = cli(output_dir, *slow)
+            time.sleep(0.1)
+        second = cli(output_dir, *first_overrides, *second_overrides)
+        still_running = first.poll() is None
         out, err = first.communicate(timeout=900)
+        return subprocess.CompletedProcess(first.args, first.returncode, out, err), second, still_running
+
+    def concurrent(self, tmp: Path) -> Outcome:
+        output_dir = tmp / "run"
+        first, second, _ = self.during_a_run(output_dir, ["training.max_steps=12"])
         if first.returncode != 0:
-            return Outcome("DATA LOST", f"{first.returncode}/{second.code}", "the first run failed: " + err[-200:])
+            return Outcome("DATA LOST", f"{first.returncode}/{second.code}", "the first run failed: " +
+                           first.stderr[-200:])
         if second.code == 0:
             return Outcome("SILENT WRONG RESULT", "0/0", "both runs ran on one folder")
         return self.judge.error(second, "first 0; second ")
@@ -444,15 +454,8 @@ class Faults:
     def concurrent_overwrite(self, tmp: Path) -> Outcome:
         """`overwrite_output_dir=true` while another run trains in the folder: refused; the first run undisturbed."""
         output_dir = tmp / "run"
-        slow = ["training.max_steps=40"]
-        first = subprocess.Popen([sys.executable, "-m", "hf_ccl.cli", "train", *BASE, *slow, f"output_dir={output_dir}"],
-                                 cwd=REPO, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + 120
-        while not (output_dir / "run_config.yaml").exists() and time.time() < deadline and first.poll() is None:
-            time.sleep(0.1)
-        second = cli(output_dir, *slow, "overwrite_output_dir=true")
-        still_running = first.poll() is None
-        out, err = first.communicate(timeout=900)
+        first, second, still_running = self.during_a_run(output_dir, ["training.max_steps=40"],
+                                                         "overwrite_output_dir=true")
         if not still_running:
             return Outcome("case failed", f"{first.returncode}/{second.code}", "the first run ended before the second "
                            "was checked: make it longer")
@@ -460,7 +463,7 @@ class Faults:
             return Outcome("SILENT WRONG RESULT", f"{first.returncode}/0", "the overwrite ran over a running run")
         if first.returncode != 0 or rows(output_dir) is None or not (output_dir / "task-4").is_dir():
             return Outcome("DATA LOST", f"{first.returncode}/{second.code}", "the first run was disturbed: " +
-                           err[-200:])
+                           first.stderr[-200:])
         outcome = Judge.refused(second, tmp / "none", "in use by another run")
         return Outcome(outcome.outcome, f"first 0; second {outcome.exit}", outcome.seen)
 
