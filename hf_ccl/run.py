@@ -177,7 +177,7 @@ def check_config(config: RunConfig, check_paths: bool = True) -> CheckedRun:
         raise ConfigError(f"{where} describes a model that cannot be built: {error}", where) from error
     if skeleton is not None:
         check_model_memory(skeleton, where)
-        check_method_sizes(config.model, methods, skeleton)
+        check_method_sizes(methods, skeleton)
         if check_paths and is_main_process():
             check_resumed_model(config, skeleton)
     return CheckedRun(config, args, methods)

@@ -19,7 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .accumulation import Batch, accumulated_backward
+from .accumulation import REENCODE_PASSES, Batch, accumulated_backward
 from .checkpoint_files import write_manifest
 from .class_prompts import CROSS_ENTROPY_TERM, ClassPrompts, class_prompt_loss
 from .distributed import check_distributed_trainer, check_sharded_loader, is_main_process, rank
@@ -316,7 +316,7 @@ class ContinualTrainer(Trainer):
                     self.compute_loss(model, chunk)
         finally:
             model.train(was_training)
-        passes = 3.0 + (1.0 if len(chunks) > 1 else 0.0)
+        passes = 3.0 + (REENCODE_PASSES if len(chunks) > 1 else 0.0)  # forward + backward ≈ 3 forwards
         return counter.get_total_flops() / 2.0 * passes
 
     def _accumulated_step(self, model: torch.nn.Module, chunks: list[Batch]) -> torch.Tensor:

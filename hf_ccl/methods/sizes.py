@@ -40,12 +40,8 @@ def model_skeleton(model_section: dict[str, Any]) -> torch.nn.Module | None:
         return family_class(family)(config)
 
 
-def check_method_sizes(model_section: dict[str, Any], methods: list[ContinualMethod],
-                       skeleton: torch.nn.Module | None = None) -> None:
-    """Every method's `check_model` on the run's model skeleton (nothing when it is not known locally)."""
-    skeleton = skeleton if skeleton is not None else model_skeleton(model_section)
-    if skeleton is None:
-        return
+def check_method_sizes(methods: list[ContinualMethod], skeleton: torch.nn.Module) -> None:
+    """Every method's `check_model` on the run's model skeleton (`model_skeleton`)."""
     for method in methods:
         method.check_model(skeleton)
 
