@@ -481,23 +481,87 @@ def mtil_bundled(
     `order`: "I" (above) or "II" (rsscn7 -> fashion -> cifar10 -> digits -> pacs-sketch). `tasks`: any subset of
     digits, cifar10, rsscn7, pacs, fashion, in the order given (it replaces `order`).
     """
-    if order not in MTIL_BUNDLED_ORDERS:
-        raise ValueError(f"order must be one of {list(MTIL_BUNDLED_ORDERS)}, got {order!r}")
     if pacs_domain not in (*PACS_DOMAINS, "all"):
         raise ValueError(f"pacs_domain must be one of {[*PACS_DOMAINS, 'all']}, got {pacs_domain!r}")
-    keys = MTIL_BUNDLED_ORDERS[order]
-    if tasks is not None:
-        if isinstance(tasks, str) or not tasks:
-            raise ValueError(f"tasks must be a non-empty list of task names ({', '.join(keys)}), got {tasks!r}")
-        unknown = [task for task in tasks if task not in keys]
-        if unknown:
-            raise ValueError(f"tasks: unknown task(s) {unknown}; valid: {', '.join(MTIL_BUNDLED_ORDERS['I'])}")
-        repeated = sorted({task for task in tasks if list(tasks).count(task) > 1})
-        if repeated:
-            raise ValueError(f"tasks names a task twice: {', '.join(repeated)}")
-        keys = tuple(tasks)
+    keys = _ordered_keys(MTIL_BUNDLED_ORDERS, MTIL_BUNDLED_ORDERS["I"], order, tasks)
     entries = [_mtil_bundled_task(root, key, pacs_domain) for key in keys]
     return stream_from_datasets(entries, name="mtil-bundled", **common)
+
+
+#: The task keys of `mtil-heldout` in its two fixed orders: ZSCL's orders I and II (`hf_ccl.data.mtil.MTIL_ORDERS`)
+#: of the MTIL datasets these stand in for (CIFAR-10 for CIFAR100, RSSCN7 for EuroSAT, DTD10 for DTD, MNIST), with
+#: PACS photo (not an MTIL dataset) third in both.
+MTIL_HELDOUT_ORDERS = {
+    "I": ("cifar10", "dtd10", "pacs", "rsscn7", "mnist"),
+    "II": ("mnist", "dtd10", "pacs", "rsscn7", "cifar10"),
+}
+#: Every task key `mtil-heldout` accepts in `tasks` (gtsrb and caltech101 only when named).
+MTIL_HELDOUT_TASKS = ("cifar10", "dtd10", "pacs", "rsscn7", "mnist", "gtsrb", "caltech101")
+
+
+def _clip_benchmark_task(root: Path, key: str, folder: str, templates: str) -> TaskSource:
+    """A bundled class-label dataset trained on the first of its CLIP_benchmark templates and scored with all of
+    them (ZSCL's convention); class names from its `label` ClassLabel (CLIP_benchmark's names)."""
+    every = benchmark_templates(templates)
+    return TaskSource(name=key, train=bundled(root, folder), label_column="label", train_templates=every[:1],
+                      eval_templates=every)
+
+
+def _mtil_heldout_task(root: Path, key: str, pacs_domain: str) -> TaskSource:
+    if key in ("cifar10", "rsscn7"):
+        return _mtil_bundled_task(root, key, pacs_domain)
+    if key == "pacs":
+        return _pacs_task(root, pacs_domain, f"pacs-{pacs_domain}")
+    folder, templates = {"dtd10": ("dtd10", "dtd"), "mnist": ("mnist", "mnist"), "gtsrb": ("gtsrb", "gtsrb"),
+                         "caltech101": ("caltech101", "caltech101")}[key]
+    return _clip_benchmark_task(root, key, folder, templates)
+
+
+def _ordered_keys(orders: dict[str, tuple[str, ...]], valid: tuple[str, ...], order: str,
+                  tasks: tuple[str, ...] | None) -> tuple[str, ...]:
+    """The task keys of an order, or `tasks` (checked: known, non-empty, none twice) when given."""
+    if order not in orders:
+        raise ValueError(f"order must be one of {list(orders)}, got {order!r}")
+    if tasks is None:
+        return orders[order]
+    if isinstance(tasks, str) or not tasks:
+        raise ValueError(f"tasks must be a non-empty list of task names ({', '.join(valid)}), got {tasks!r}")
+    unknown = [task for task in tasks if task not in valid]
+    if unknown:
+        raise ValueError(f"tasks: unknown task(s) {unknown}; valid: {', '.join(valid)}")
+    repeated = sorted({task for task in tasks if list(tasks).count(task) > 1})
+    if repeated:
+        raise ValueError(f"tasks names a task twice: {', '.join(repeated)}")
+    return tuple(tasks)
+
+
+@register("mtil-heldout")
+def mtil_heldout(
+    root: Path,
+    common: dict[str, Any],
+    *,
+    order: str = "I",
+    tasks: tuple[str, ...] | None = None,
+    pacs_domain: str = "photo",
+) -> TaskStream:
+    """MTIL-like on datasets a model pretrained by `benchmarks/pretrain_start.py` never saw: cifar10 -> dtd10 -> pacs-photo -> rsscn7 -> mnist.
+
+    Each task its own label space, scored task-aware by zero-shot accuracy; train/eval sizes before `max_*_per_task`:
+    - `cifar10`: the bundled CIFAR-10 subset, 10000/5000, 10 classes, CLIP_benchmark's 18 templates;
+    - `dtd10`: 10 DTD textures, 800/400, CLIP_benchmark's 8 `dtd` templates (trained on the first, as ZSCL);
+    - `pacs-photo`: PACS photos, 7 classes (`pacs_domain` picks another domain);
+    - `rsscn7`: aerial scenes, 2260/540, 7 classes;
+    - `mnist`: MNIST digits "0".."9", 20000/10000, CLIP_benchmark's template;
+    - `gtsrb` (43 traffic signs) and `caltech101` (102 classes) only when named in `tasks`.
+
+    `order`: "I" (above, ZSCL's order I of the MTIL datasets these stand in for) or "II" (mnist -> dtd10 ->
+    pacs-photo -> rsscn7 -> cifar10). `tasks`: any of the keys above in the order given (it replaces `order`).
+    """
+    if pacs_domain not in PACS_DOMAINS:
+        raise ValueError(f"pacs_domain must be one of {list(PACS_DOMAINS)}, got {pacs_domain!r}")
+    keys = _ordered_keys(MTIL_HELDOUT_ORDERS, MTIL_HELDOUT_TASKS, order, tasks)
+    entries = [_mtil_heldout_task(root, key, pacs_domain) for key in keys]
+    return stream_from_datasets(entries, name="mtil-heldout", **common)
 
 
 @register("mtil")
