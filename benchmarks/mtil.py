@@ -1,26 +1,27 @@
-"""Keeping zero-shot while learning downstream tasks (ZSCL, MoE-Adapters, WiSE-FT; issue 16) at small scale.
+"""Keeping zero-shot while learning downstream tasks (ZSCL, MoE-Adapters, WiSE-FT; issues 16, 26) at small scale.
 
-A random CLIP is pretrained on English Flickr8k (all weights, `--pretrain-epochs`): the "zero-shot" model. It then
-learns the bundled MTIL-like stream `mtil-bundled` (digits -> CIFAR-10 -> RSSCN7 -> PACS sketch -> Fashion
-sub-categories, each its own label space, scored task-aware by zero-shot accuracy with its eval templates), trained
-with the image-to-class-prompt cross-entropy (`classification_loss: cross_entropy`, ZSCL Eq. 1). Every method starts
-from the same pretrained model:
+Every method starts from the same starting model (`benchmarks/pretrain_start.py`: a small CLIP pretrained on
+Flickr8k-en, Fashion titles and templated Caltech-101, cached) and learns `mtil-heldout`, five datasets that model
+never saw, each its own label space, scored task-aware by zero-shot accuracy (its eval templates) on a stratified
+eval subset, with the image-to-class-prompt cross-entropy (`classification_loss: cross_entropy`, ZSCL Eq. 1):
 
     finetune       sequential fine-tuning
     lwf            + LwF on the task's own batches (the previous model as teacher)
     wise_ft        weight interpolation with the zero-shot model after each task (alpha 0.8)
-    zscl           + distillation from the zero-shot model on reference data (Flickr8k, the pretraining data's
-                   domain, as ImageNet + CC are CLIP's) and the weight ensemble
+    zscl           + distillation from the zero-shot model on reference data (Flickr8k, the pretraining domain, as
+                   ImageNet + CC are CLIP's) and the weight ensemble
     moe_adapters   mixture-of-experts adapters and routers only (the rest frozen), DDAS selector
     er             + a replay buffer of earlier tasks' examples
 
-Per method (mean ± std over seeds): ZSCL's Transfer / Avg. / Last (ZSCL `mtil/results.ipynb`; `hf_ccl.evaluation.
-continual_metrics.mtil_*`), forgetting, the zero-shot model's average, median time per step relative to finetune, the
-cost columns (peak memory, trainable parameters, ...). Plots: Transfer/Avg/Last per method, and each method's matrix.
+Orders: ZSCL's I and II of the MTIL datasets the tasks stand in for, and a random one per seed (`--order`,
+`--tasks`). Per run: ZSCL's Transfer / Avg. / Last (`hf_ccl.evaluation.continual_metrics.mtil_*`), Transfer over
+the tasks where the starting model is above the majority rate (by 2 SE), plasticity (accuracy right after training
+each task) next to forgetting, and the control: the starting model's own ability, Flickr8k English test retrieval
+(R_mean on a fixed subset), after the last task. Claims are judged from paired per-(order, seed) differences with a
+95% t-interval (`benchmarks/protocol.py`).
 
-    python benchmarks/mtil.py [--methods finetune,lwf,wise_ft,zscl,moe_adapters,er] [--seeds 0,1]
-
-Writes benchmarks/results/mtil_bundled.md/.json/.png.
+    python benchmarks/mtil.py [--methods finetune,lwf,wise_ft,zscl,moe_adapters,er] [--order I,II,random]
+                              [--seeds 0,1,2] [--output benchmarks/results/mtil_heldout]
 """
 
 from __future__ import annotations
@@ -31,26 +32,59 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from languages import StepTimes  # benchmarks/ is on the path of `python benchmarks/mtil.py`
+from pretrain_start import MODEL, ensure_start_model, load_start_model
+from protocol import (
+    add_stream_arguments,
+    baseline_cells,
+    binomial_se,
+    eval_baseline,
+    paired_verdict,
+    plasticity,
+    task_orders,
+    transfer_over,
+    verdict_table,
+)
 
+from hf_ccl.callbacks import TaskCallback
 from hf_ccl.compute import RUN_COST_HEADER, RUN_COST_NOTE, mean_run_cost, run_cost, run_cost_cells
 from hf_ccl.continual import ContinualArguments, ContinualLearner
 from hf_ccl.data import build_stream, load_image_processor, load_tokenizer
-from hf_ccl.evaluation.continual_metrics import (
-    forgetting,
-    mtil_average,
-    mtil_last,
-    mtil_per_task,
-    mtil_transfer,
-)
+from hf_ccl.data.named import MTIL_HELDOUT_ORDERS
+from hf_ccl.evaluation.continual_metrics import forgetting, mtil_average, mtil_last, mtil_per_task, mtil_transfer
+from hf_ccl.evaluation.evaluator import evaluate_task
 from hf_ccl.methods import build_methods
-from hf_ccl.testing import tiny_clip
 
-MODEL = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "projection_dim": 64, "image_size": 32}
 METHODS = "finetune,lwf,wise_ft,zscl,moe_adapters,er"
+#: (claim, a, b, metric): "a's metric > b's", paired by (order, seed); forgetting claims compare b - a.
+CLAIMS = (
+    ("ZSCL keeps Transfer better than fine-tuning", "zscl", "finetune", "transfer"),
+    ("ZSCL keeps Transfer (above-majority tasks) better than fine-tuning", "zscl", "finetune", "transfer_above"),
+    ("ZSCL's Last is above fine-tuning's", "zscl", "finetune", "last"),
+    ("ZSCL keeps the pretraining domain (control) better than fine-tuning", "zscl", "finetune", "control_last"),
+    ("MoE-Adapters keeps Transfer better than fine-tuning", "moe_adapters", "finetune", "transfer"),
+    ("MoE-Adapters forgets less than fine-tuning", "finetune", "moe_adapters", "forgetting"),
+    ("MoE-Adapters learns each task as well as fine-tuning (plasticity)", "moe_adapters", "finetune", "plasticity"),
+    ("WiSE-FT keeps Transfer better than fine-tuning", "wise_ft", "finetune", "transfer"),
+    ("WiSE-FT's Last is above fine-tuning's", "wise_ft", "finetune", "last"),
+    ("LwF keeps Transfer better than fine-tuning", "lwf", "finetune", "transfer"),
+    ("ER's Last is above fine-tuning's", "er", "finetune", "last"),
+)
+
+
+class ControlRetrieval(TaskCallback):
+    """The control column: the model's Flickr8k English test retrieval (R_mean) after every evaluated task."""
+
+    def __init__(self, task: Any) -> None:
+        self.task, self.scores = task, []
+
+    def on_task_evaluated(self, args, state, control, learner=None, **kwargs) -> None:  # noqa: ANN001
+        self.scores.append(evaluate_task(learner.model, self.task, learner.image_processor,
+                                         learner.tokenizer)["R_mean"])
 
 
 def method_args(name: str, options) -> dict:
@@ -63,151 +97,158 @@ def method_args(name: str, options) -> dict:
     }.get(name, {})
 
 
-def pretrain(options, seed: int, tokenizer) -> torch.nn.Module:
-    stream = build_stream("flickr8k-languages", languages=["en"], max_train_per_task=options.pretrain_examples,
-                          max_eval_per_task=200)
-    learner = ContinualLearner(
-        tiny_clip(seed=seed, **MODEL), stream, build_methods(["finetune"]), load_image_processor(MODEL["image_size"]),
-        tokenizer,
-        ContinualArguments(output_dir=f"/tmp/hf_ccl_mtil/pretrain-{seed}", save_checkpoints=False, progress=False,
-                           seed=seed, evaluate_initial=False, overwrite_output_dir=True,
-                           training={"num_train_epochs": options.pretrain_epochs, "per_device_train_batch_size": 64,
-                                     "learning_rate": 1e-3, "warmup_steps": 0.1, "lr_scheduler_type": "cosine",
-                                     "weight_decay": 0.0}),
-    )
-    results = learner.fit()
-    print(f"Flickr8k pretraining, seed {seed}: {results.rows[-1].metrics['en']}", flush=True)
-    return learner.model
+def control_task(options) -> Any:
+    """Flickr8k English test retrieval on a fixed subset: the pretraining domain the methods should keep."""
+    return build_stream("flickr8k-languages", languages=["en"], max_train_per_task=1,
+                        max_eval_per_task=options.control_examples)[0]
 
 
-def run(name: str, pretrained, stream, options, seed: int) -> dict:
-    times = StepTimes()
+def run(name: str, start, stream, order: str, options, seed: int, control: Any, above: list[bool]) -> dict:
+    times, kept = StepTimes(), ControlRetrieval(control)
     learner = ContinualLearner(
-        copy.deepcopy(pretrained), stream, build_methods([name], method_args(name, options)),
+        copy.deepcopy(start), stream, build_methods([name], method_args(name, options)),
         load_image_processor(MODEL["image_size"]), load_tokenizer(),
-        ContinualArguments(output_dir=f"/tmp/hf_ccl_mtil/{name}-{seed}", save_checkpoints=False, progress=False,
-                           seed=seed, overwrite_output_dir=True, classification_loss="cross_entropy",
+        ContinualArguments(output_dir=str(Path(options.runs_dir) / f"{name}-{order}-{seed}"), save_checkpoints=False,
+                           progress=False, seed=seed, overwrite_output_dir=True, classification_loss="cross_entropy",
                            training={"num_train_epochs": options.epochs,
                                      "per_device_train_batch_size": options.batch_size,
                                      "learning_rate": options.moe_lr if name == "moe_adapters" else options.lr,
                                      "weight_decay": 0.1, "warmup_steps": 0.1, "lr_scheduler_type": "cosine",
                                      "logging_steps": 50}),
-        callbacks=[times],
+        callbacks=[times], task_callbacks=[kept],
     )
     results = learner.fit()
     R, b = results.headline(), results.initial_headline()
+    tasks = stream.task_names
     return {
-        "method": name, "seed": seed, "R": R.tolist(), "initial": b.tolist(),
-        "transfer": mtil_transfer(R), "average": mtil_average(R), "last": mtil_last(R), "forgetting": forgetting(R),
+        "method": name, "seed": seed, "order": order, "tasks": tasks, "R": R.tolist(), "initial": b.tolist(),
+        "transfer": mtil_transfer(R), "transfer_above": transfer_over(R, [j for j, a in enumerate(above) if a]),
+        "average": mtil_average(R), "last": mtil_last(R), "forgetting": forgetting(R), "plasticity": plasticity(R),
+        "control": kept.scores, "control_last": kept.scores[-1],
         "zero_shot": float(np.mean(b)), "zero_shot_transfer": mtil_transfer(np.tile(b, (len(b), 1))),
+        "zero_shot_transfer_above": transfer_over(np.tile(b, (len(b), 1)), [j for j, a in enumerate(above) if a]),
         "median_step_s": statistics.median(times.times) if times.times else float("nan"),
         "cost": run_cost(learner.compute),
     }
 
 
 def _mean_std(values: list[float]) -> str:
+    values = [v for v in values if not np.isnan(v)]
+    if not values:
+        return "-"
     return f"{np.mean(values):.1f} ± {np.std(values):.1f}" if len(values) > 1 else f"{values[0]:.1f}"
 
 
-def write(runs: list[dict], tasks: list[str], options, path: Path) -> None:
+def _by_task(run: dict, key: str = "R") -> dict[str, list[float]]:
+    """A run's results matrix columns keyed by task name (orders permute them)."""
+    matrix = np.array(run[key])
+    return {task: matrix[..., j].tolist() for j, task in enumerate(run["tasks"])}
+
+
+def verdicts(runs: list[dict]) -> list:
+    found = []
+    for claim, a, b, metric in CLAIMS:
+        pairs = {(r["order"], r["seed"]): r for r in runs if r["method"] == b}
+        mine = [(r, pairs[(r["order"], r["seed"])]) for r in runs if r["method"] == a and (r["order"], r["seed"])
+                in pairs]
+        if not mine:
+            continue
+        found.append(paired_verdict(claim, [x[metric] for x, _ in mine], [y[metric] for _, y in mine]))
+    return found
+
+
+def write(runs: list[dict], baselines: list, start: dict, options, command: str, path: Path) -> None:
     methods = list(dict.fromkeys(r["method"] for r in runs))
-    base = {r["seed"]: r["median_step_s"] for r in runs if r["method"] == "finetune"}
+    base = {(r["order"], r["seed"]): r["median_step_s"] for r in runs if r["method"] == "finetune"}
     zero = [r for r in runs if r["method"] == methods[0]]
+    above = [b.task for b, a in zip(baselines, start["above"], strict=True) if a]
+    orders = sorted({r["order"] for r in runs})
+    seeds = sorted({r["seed"] for r in runs})
     lines = [
-        "# Keeping zero-shot while learning downstream tasks: `mtil-bundled`",
+        "# Keeping zero-shot while learning downstream tasks: `mtil-heldout`",
         "",
-        f"Command: `python benchmarks/mtil.py --methods {options.methods} --train-per-task {options.train_per_task} "
-        f"--eval-per-task {options.eval_per_task} --epochs {options.epochs} --batch-size {options.batch_size} "
-        f"--lr {options.lr} --pretrain-examples {options.pretrain_examples} --pretrain-epochs "
-        f"{options.pretrain_epochs} --buffer-size {options.buffer_size} --wise-alpha {options.wise_alpha} "
-        f"--reference-examples {options.reference_examples} --ensemble-every {options.ensemble_every} "
-        f"--moe-bottleneck {options.moe_bottleneck} --moe-lr {options.moe_lr} "
-        f"--seeds {options.seeds}`  ",
-        f"A random CLIP {MODEL} with the real CLIP vocabulary, pretrained on English Flickr8k "
-        f"({options.pretrain_examples} images, {options.pretrain_epochs} epochs): the zero-shot model. Then the tasks "
-        f"{' -> '.join(tasks)} ({options.train_per_task} training images each, {options.epochs} epochs, batch "
-        f"{options.batch_size}, lr {options.lr}, moe_adapters' lr {options.moe_lr}: its experts start at zero and "
-        f"are scaled by 0.1; cosine), with the image-to-class-prompt cross-entropy; each task is "
-        f"scored task-aware by zero-shot accuracy (its eval templates) on {options.eval_per_task} eval images. "
-        "Transfer / Avg. / Last as ZSCL's `mtil/results.ipynb`: Transfer = per task j >= 1 the mean of its accuracy "
+        f"Command: `{command}`  ",
+        f"Starting model: `benchmarks/pretrain_start.py` ({MODEL}, see `start_model.md`; control Flickr8k-en test "
+        f"R_mean {start['control']:.1f} on {options.control_examples} images). Tasks (orders {', '.join(orders)}; "
+        f"random = a seeded permutation per seed): {options.train_per_task} training images each, {options.epochs:g} "
+        f"epochs, batch {options.batch_size}, lr {options.lr:g} (moe_adapters {options.moe_lr:g}: zero-initialised "
+        f"experts scaled by 0.1), cosine, weight decay 0.1, the image-to-class-prompt cross-entropy; each task "
+        f"scored task-aware on {options.eval_per_task} stratified eval images. Seeds {', '.join(map(str, seeds))}: "
+        f"{len(orders) * len(seeds)} (order, seed) pairs per method.",
+        "",
+        "Transfer / Avg. / Last as ZSCL's `mtil/results.ipynb` (Transfer = per task j >= 1 the mean of its accuracy "
         "at the steps before it is trained, averaged over tasks; Avg. = per task the mean over all steps; Last = the "
-        "final row's mean. Zero-shot row: the pretrained model's scores on every row (ZSCL's convention). Mean ± std "
-        f"over seeds {options.seeds}; step time relative to finetune of the same seed.",
+        f"final row's mean). **Transfer (above)**: the same over the tasks where the starting model is above the "
+        f"majority rate by 2 SE on the eval subset ({', '.join(above) or 'none'}). **Plasticity**: the mean accuracy "
+        "right after training each task; **forgetting**: the mean drop from a task's best to its last accuracy. "
+        "**Control**: Flickr8k-en test retrieval R_mean after the last task (the starting model's own domain). "
+        "Mean ± std over (order, seed) pairs.",
         "",
-        "| method | Transfer | Avg. | Last | forgetting | time/step vs finetune | " + " | ".join(RUN_COST_HEADER) + " |",
-        "|---" * (6 + len(RUN_COST_HEADER)) + "|",
+        "Eval subsets (the starting model's zero-shot accuracy ± binomial SE beside chance and the majority rate):",
+        "",
+        *baseline_cells(baselines),
+        "",
+        "| method | Transfer | Transfer (above) | Avg. | Last | plasticity | forgetting | control | time/step vs "
+        "finetune | " + " | ".join(RUN_COST_HEADER) + " |",
+        "|---" * (9 + len(RUN_COST_HEADER)) + "|",
         f"| zero-shot model | {_mean_std([r['zero_shot_transfer'] for r in zero])} | "
-        f"{_mean_std([r['zero_shot'] for r in zero])} | {_mean_std([r['zero_shot'] for r in zero])} | | |"
-        + " |" * len(RUN_COST_HEADER),
+        f"{_mean_std([r['zero_shot_transfer_above'] for r in zero])} | {_mean_std([r['zero_shot'] for r in zero])} | "
+        f"{_mean_std([r['zero_shot'] for r in zero])} | | | {start['control']:.1f} | |" + " |" * len(RUN_COST_HEADER),
     ]
     for method in methods:
         mine = [r for r in runs if r["method"] == method]
-        ratio = float(np.mean([r["median_step_s"] / base.get(r["seed"], float("nan")) for r in mine]))
+        ratio = float(np.mean([r["median_step_s"] / base.get((r["order"], r["seed"]), float("nan")) for r in mine]))
         lines.append(
-            f"| {method} | {_mean_std([r['transfer'] for r in mine])} | {_mean_std([r['average'] for r in mine])} | "
-            f"{_mean_std([r['last'] for r in mine])} | {_mean_std([r['forgetting'] for r in mine])} | {ratio:.2f} | "
-            f"{run_cost_cells(mean_run_cost([r['cost'] for r in mine]))} |")
-    lines += ["", RUN_COST_NOTE, "", "Per task (seed mean): Transfer / Avg. / Last", "",
-              "| method | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
+            f"| {method} | " + " | ".join(_mean_std([r[key] for r in mine]) for key in (
+                "transfer", "transfer_above", "average", "last", "plasticity", "forgetting", "control_last"))
+            + f" | {ratio:.2f} | {run_cost_cells(mean_run_cost([r['cost'] for r in mine]))} |")
+    lines += ["", RUN_COST_NOTE, "", "Claims, from paired per-(order, seed) differences (a - b; forgetting: b - a), "
+              "95% t-interval:", "", *verdict_table(verdicts(runs)), ""]
+    names = [b.task for b in baselines]
+    lines += ["Per task (mean over pairs): Transfer / Avg. / Last", "",
+              "| method | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for method in methods:
-        per_task = [mtil_per_task(np.array(r["R"])) for r in runs if r["method"] == method]
         cells = []
-        for j in range(len(tasks)):
-            t, a, last = (float(np.mean([p[key][j] for p in per_task])) for key in ("transfer", "average", "last"))
+        for task in names:
+            values = {"transfer": [], "average": [], "last": []}
+            for r in runs:
+                if r["method"] != method:
+                    continue
+                per = mtil_per_task(np.array(r["R"]))
+                j = r["tasks"].index(task)
+                for key in values:
+                    values[key].append(per[key][j])
+            t, a, last = (float(np.nanmean(values[k])) if not all(np.isnan(values[k])) else float("nan")
+                          for k in ("transfer", "average", "last"))
             cells.append(("-" if np.isnan(t) else f"{t:.1f}") + f" / {a:.1f} / {last:.1f}")
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    lines += ["", "Results matrices (accuracy %, seed mean; rows: the zero-shot model, then after each task):", ""]
+    lines += ["", "Results matrices of order I, seed mean (rows: the zero-shot model, then after each task):", ""]
     for method in methods:
-        mine = [r for r in runs if r["method"] == method]
+        mine = [r for r in runs if r["method"] == method and r["order"] == "I"]
+        if not mine:
+            continue
+        tasks = mine[0]["tasks"]
         initial = np.mean([r["initial"] for r in mine], axis=0)
         matrix = np.mean([r["R"] for r in mine], axis=0)
-        lines += [f"**{method}**", "", "| after \\ eval | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 1) + "|",
-                  "| zero-shot | " + " | ".join(f"{v:.1f}" for v in initial) + " |"]
+        lines += [f"**{method}**", "", "| after \\ eval | " + " | ".join(tasks) + " |",
+                  "|---" * (len(tasks) + 1) + "|", "| zero-shot | " + " | ".join(f"{v:.1f}" for v in initial) + " |"]
         for task, values in zip(tasks, matrix, strict=True):
             lines.append(f"| {task} | " + " | ".join(f"{v:.1f}" for v in values) + " |")
         lines.append("")
     path.with_suffix(".md").write_text("\n".join(lines), encoding="utf-8")
-    path.with_suffix(".json").write_text(json.dumps(runs, indent=2) + "\n", encoding="utf-8")
-    plot(runs, methods, path.with_suffix(".png"))
-    print("\n".join(lines[:9 + len(methods)]), flush=True)
-
-
-def plot(runs: list[dict], methods: list[str], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # plots are optional
-        return
-    keys = ("transfer", "average", "last")
-    figure, axis = plt.subplots(figsize=(1.6 * len(methods) + 2, 3.5))
-    width = 0.8 / len(keys)
-    for k, key in enumerate(keys):
-        means = [np.mean([r[key] for r in runs if r["method"] == m]) for m in methods]
-        stds = [np.std([r[key] for r in runs if r["method"] == m]) for m in methods]
-        axis.bar(np.arange(len(methods)) + (k - 1) * width, means, width, yerr=stds, label=key.capitalize())
-    zero = [r for r in runs if r["method"] == methods[0]]
-    axis.axhline(np.mean([r["zero_shot_transfer"] for r in zero]), color="grey", linestyle="--",
-                 label="zero-shot Transfer")
-    axis.set_xticks(np.arange(len(methods)), methods)
-    axis.set_ylabel("accuracy (%)")
-    axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    path.with_suffix(".json").write_text(json.dumps({"start": start, "runs": runs}, indent=2) + "\n",
+                                         encoding="utf-8")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", default=METHODS)
-    parser.add_argument("--train-per-task", type=int, default=1000)
+    parser.add_argument("--train-per-task", type=int, default=500)
     parser.add_argument("--eval-per-task", type=int, default=300)
-    parser.add_argument("--epochs", type=float, default=5)
+    parser.add_argument("--control-examples", type=int, default=300)
+    parser.add_argument("--epochs", type=float, default=2)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--pretrain-examples", type=int, default=6000)
-    parser.add_argument("--pretrain-epochs", type=float, default=10)
+    parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--buffer-size", type=int, default=200)
     parser.add_argument("--wise-alpha", type=float, default=0.8)
     parser.add_argument("--reference-examples", type=int, default=2000)
@@ -216,20 +257,43 @@ def main() -> None:
     parser.add_argument("--moe-lr", type=float, default=2e-2,
                         help="moe_adapters' learning rate (zero-initialised experts scaled by 0.1: the official "
                              "scripts use 1e-3..5e-3 over 1000 iterations per task)")
-    parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "mtil_bundled"))
+    add_stream_arguments(parser, default_output=str(Path(__file__).parent / "results" / "mtil_heldout"))
     options = parser.parse_args()
-    stream = build_stream("mtil-bundled", max_train_per_task=options.train_per_task,
-                          max_eval_per_task=options.eval_per_task)
+    command = "python benchmarks/mtil.py " + " ".join(
+        f"--{key.replace('_', '-')} {value}" for key, value in vars(options).items() if key != "runs_dir")
+    start_model = load_start_model(ensure_start_model())
     tokenizer = load_tokenizer()
+    control = control_task(options)
+    seeds = [int(s) for s in options.seeds.split(",")]
+    tasks = options.tasks.split(",") if options.tasks else None
+    reference = build_stream("mtil-heldout", tasks=tasks or MTIL_HELDOUT_ORDERS["I"],
+                             max_train_per_task=1, max_eval_per_task=options.eval_per_task)
+    initial = {}
+    for task in reference:
+        initial[task.name] = evaluate_task(start_model, task, load_image_processor(MODEL["image_size"]),
+                                           tokenizer)["accuracy"]
+    baselines = [eval_baseline(task) for task in reference]
+    above_by_name = {b.task: initial[b.task] - 2 * binomial_se(initial[b.task], b.n) > b.majority for b in baselines}
+    start = {"zero_shot": initial, "above": [above_by_name[b.task] for b in baselines],
+             "control": evaluate_task(start_model, control, load_image_processor(MODEL["image_size"]),
+                                      tokenizer)["R_mean"]}
+    for baseline in baselines:
+        baseline.score = initial[baseline.task]  # shown beside chance and majority
     runs = []
-    for seed in [int(s) for s in options.seeds.split(",")]:
-        pretrained = pretrain(options, seed, tokenizer)
-        for name in options.methods.split(","):
-            started = time.perf_counter()
-            runs.append(run(name, pretrained, stream, options, seed))
-            print(f"{name} seed {seed}: {time.perf_counter() - started:.0f} s", flush=True)
-            write(runs, stream.task_names, options, Path(options.output))
+    orders = [o for o in options.order.split(",") if o]
+    for seed in seeds:
+        for order, keys in task_orders(orders, MTIL_HELDOUT_ORDERS, tasks, seed).items():
+            stream = build_stream("mtil-heldout", tasks=tuple(keys), max_train_per_task=options.train_per_task,
+                                  max_eval_per_task=options.eval_per_task)
+            above = [above_by_name[name] for name in stream.task_names]
+            for name in options.methods.split(","):
+                started = time.perf_counter()
+                torch.manual_seed(seed)
+                runs.append(run(name, start_model, stream, order, options, seed, control, above))
+                print(f"{name} order {order} seed {seed}: {time.perf_counter() - started:.0f} s; Transfer "
+                      f"{runs[-1]['transfer']:.1f}, Last {runs[-1]['last']:.1f}", flush=True)
+                write(runs, baselines, start, options, command, Path(options.output))
+    print(Path(options.output).with_suffix(".md").read_text(encoding="utf-8")[:6000], flush=True)
 
 
 if __name__ == "__main__":
