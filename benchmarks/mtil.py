@@ -55,7 +55,13 @@ from hf_ccl.compute import RUN_COST_HEADER, RUN_COST_NOTE, mean_run_cost, run_co
 from hf_ccl.continual import ContinualArguments, ContinualLearner
 from hf_ccl.data import build_stream, load_image_processor, load_tokenizer
 from hf_ccl.data.named import MTIL_HELDOUT_ORDERS
-from hf_ccl.evaluation.continual_metrics import forgetting, mtil_average, mtil_last, mtil_per_task, mtil_transfer
+from hf_ccl.evaluation.continual_metrics import (
+    forgetting,
+    mtil_average,
+    mtil_last,
+    mtil_per_task,
+    mtil_transfer,
+)
 from hf_ccl.evaluation.evaluator import evaluate_task
 from hf_ccl.methods import build_methods
 
