@@ -243,6 +243,30 @@ def test_mtil_bundled_orders_and_options(shared_data_root) -> None:
             build_stream("mtil-bundled", data_root=shared_data_root, **options)
 
 
+def test_mtil_heldout_tasks_orders_and_options(shared_data_root) -> None:
+    first = build_stream("mtil-heldout", data_root=shared_data_root, **SMALL)
+    assert first.task_names == ["cifar10", "dtd10", "pacs-photo", "rsscn7", "mnist"]
+    second = build_stream("mtil-heldout", data_root=shared_data_root, order="II", **SMALL)
+    assert second.task_names == ["mnist", "dtd10", "pacs-photo", "rsscn7", "cifar10"]
+    dtd, mnist = first[1], first[4]
+    assert dtd.class_names[:3] == ["banded", "blotchy", "braided"] and len(dtd.class_names) == 10
+    assert dtd.train_templates == ["a photo of a {c} texture."] and len(dtd.eval_templates) == 8
+    assert mnist.class_names == [str(d) for d in range(10)]
+    named = build_stream("mtil-heldout", data_root=shared_data_root, tasks=("gtsrb", "caltech101"),
+                         pacs_domain="sketch", **SMALL)
+    assert named.task_names == ["gtsrb", "caltech101"]
+    assert (len(named[0].class_names), len(named[1].class_names)) == (43, 102)
+    assert named[0].train[0]["texts"][0].endswith("traffic sign.")
+    for options, message in [
+        ({"order": "III"}, r"order must be one of \['I', 'II'\]"),
+        ({"tasks": ("digits",)}, r"tasks: unknown task\(s\) \['digits'\]"),
+        ({"tasks": ("mnist", "mnist")}, "tasks names a task twice: mnist"),
+        ({"pacs_domain": "all"}, "pacs_domain must be one of"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            build_stream("mtil-heldout", data_root=shared_data_root, **options)
+
+
 # ---------------------------------------------------------------- MTIL from CLIP_benchmark webdataset repos
 
 ORDER_I = ["Aircraft", "Caltech101", "CIFAR100", "DTD", "EuroSAT", "Flowers", "Food", "MNIST", "OxfordPet",
