@@ -6,14 +6,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from datasets import Dataset
 
 from hf_ccl.class_prompts import ClassPrompts, class_prompt_loss, seen_class_names
 from hf_ccl.continual import ContinualArguments, ContinualLearner
-from hf_ccl.data import build_stream
-from hf_ccl.data.task import TaskStream
+from hf_ccl.data import CLIPCollator, build_stream
+from hf_ccl.data.task import Task, TaskStream
 from hf_ccl.families import default_image_processor
 from hf_ccl.methods import build_methods
-from hf_ccl.testing import tiny_model
+from hf_ccl.testing import tiny_clip, tiny_model
 from hf_ccl.trainer import ContinualTrainer
 from hf_ccl.validation import ConfigError
 
@@ -213,3 +214,78 @@ def test_ewc_takes_the_fisher_of_the_loss_the_task_trained_with(digits, clip_tok
                                      prompts.candidate_mask(batch["class_labels"]))
         torch.testing.assert_close(batch_task_loss(model, batch, prompts), expected)
         torch.testing.assert_close(batch_task_loss(model, batch, None), batch_contrastive_loss(model, batch))
+
+
+def task_with_templates(name: str, classes: list[str], templates: list[str]) -> Task:
+    empty = Dataset.from_dict({"texts": [["-"]]})
+    return Task(name, empty, empty, kind="classification", class_names=classes, train_templates=templates)
+
+
+def label_task(name: str, classes: list[str], template: str = "a photo of a {label}.") -> Task:
+    return task_with_templates(name, classes, [template])
+
+
+def test_a_prompt_two_tasks_train_is_one_class_in_the_seen_scope(clip_tokenizer):
+    """"a photo of a dog." in two tasks: one column, so a model that puts each image on its class's embedding
+    reaches a loss of ~0 (two columns with one embedding would hold every dog row at >= ln 2)."""
+    first, second = label_task("first", ["dog", "cat"]), label_task("second", ["bird", "dog"])
+    prompts = ClassPrompts.build([first, second], clip_tokenizer, scope="seen")
+    assert prompts.class_names == ["dog", "cat", "bird"] == seen_class_names([first], second)
+    captions = ["a photo of a dog.", "a photo of a cat.", "a photo of a bird.", "a photo of a dog."]
+    labels = torch.tensor(prompts.labels(captions, [0, 1, 0, 1]))
+    assert labels.tolist() == [0, 1, 2, 0] and prompts.candidate_mask(labels) is None
+    model = tiny_clip()
+    model.logit_scale.data.fill_(math.log(1e4))  # cos gaps here are >= 0.02: logit gaps >= 200
+    with torch.no_grad():
+        classes = prompts.class_embeddings(model)
+        loss = class_prompt_loss(model, classes[labels], classes, labels)
+        doubled = class_prompt_loss(model, classes[labels], torch.cat([classes, classes[:1]]), labels)
+    assert classes.shape[0] == 3 and float(loss) < 1e-6
+    assert float(doubled) >= math.log(2) / 2  # the old layout: dog twice, half the rows stuck at ln 2
+    # Different training templates are different prompts, so different classes with their own embeddings.
+    sketch = label_task("sketch", ["dog"], "a sketch of a {label}.")
+    assert ClassPrompts.build([first, sketch], clip_tokenizer, scope="seen").class_names == ["dog", "cat", "dog"]
+    linked = task_with_templates("linked", ["og"], ["d{label}", "cat{label}"])  # "dog" and "catog": one class
+    with pytest.raises(ValueError, match="one class through prompts"):
+        ClassPrompts.build([task_with_templates("own", ["dog", "catog"], ["{label}"]), linked], clip_tokenizer,
+                           scope="seen")
+
+
+def test_a_replayed_row_is_scored_among_its_own_tasks_classes(clip_tokenizer):
+    """Task scope with past tasks (replay): the shared prompt is a column of each task's block and the row's label
+    picks its own task; a prompt two tasks train at one index among different classes is refused."""
+    first, second = label_task("first", ["dog", "cat"]), label_task("second", ["bird", "dog"])
+    prompts = ClassPrompts.build([first, second], clip_tokenizer, scope="task")
+    assert prompts.class_names == ["dog", "cat", "bird", "dog"]
+    labels = torch.tensor(prompts.labels(["a photo of a dog.", "a photo of a dog."], [0, 1]))  # first's, second's
+    assert labels.tolist() == [0, 3]
+    assert prompts.candidate_mask(labels).tolist() == [[True, True, False, False], [False, False, True, True]]
+    with pytest.raises(ValueError, match="give each row's label"):
+        prompts.labels(["a photo of a dog."])
+    same = label_task("again", ["dog", "cat"])  # the same classes again: either block scores a row alike
+    assert ClassPrompts.build([first, same], clip_tokenizer, scope="task").labels(["a photo of a dog."], [0]) == [0]
+    with pytest.raises(ValueError, match="cannot be told"):
+        ClassPrompts.build([first, label_task("other", ["dog", "horse"])], clip_tokenizer, scope="task")
+    with pytest.raises(ValueError, match="share the training prompt"):
+        ClassPrompts.build([label_task("twice", ["dog", "dog"])], clip_tokenizer)
+
+
+def test_mtil_bundled_photo_has_44_classes_in_the_loss_and_in_evaluation(clip_tokenizer):
+    """`mtil-bundled` with `pacs_domain: photo`: CIFAR-10 and PACS both train "a photo of a dog." and "... horse.":
+    46 classes, 44 prompts. The collator's labels put a replayed CIFAR-10 dog among CIFAR-10's classes."""
+    stream = build_stream("mtil-bundled", pacs_domain="photo", max_train_per_task=4, max_eval_per_task=4)
+    tasks = stream.tasks
+    seen = ClassPrompts.build(tasks, clip_tokenizer, scope="seen")
+    evaluated = seen_class_names(tasks[:-1], tasks[-1])  # what the evaluator scores the last task among
+    assert sum(len(task.class_names) for task in tasks) == 46
+    assert len(seen.class_names) == len(set(seen.class_names)) == 44 and seen.class_names == evaluated
+    by_name = {task.name: task for task in tasks}
+    cifar, pacs = by_name["cifar10"], by_name["pacs-photo"]
+    prompts = ClassPrompts.build([cifar, pacs], clip_tokenizer, scope="task")
+    rows = [{**task.train[0], "texts": ["a photo of a dog."], "label": task.class_names.index("dog")}
+            for task in (cifar, pacs)]  # a replayed CIFAR-10 dog beside a PACS dog
+    model = tiny_clip()
+    batch = CLIPCollator(default_image_processor(model), clip_tokenizer, train=False, class_labels=prompts.labels)(rows)
+    candidates = prompts.candidate_mask(batch["class_labels"])
+    assert [[prompts.class_names[c] for c in mask.nonzero().flatten().tolist()] for mask in candidates] == [
+        cifar.class_names, pacs.class_names]

@@ -99,8 +99,9 @@ class CLIPCollator:
     examples are positives when either hash matches. In train mode one caption per example is drawn from `texts`
     with the collator's own seeded generator; in eval mode the first caption is used. Integer columns named in
     `PASSTHROUGH_INT_COLUMNS` (e.g. `buffer_slot`) are passed through as int64 tensors when the rows have them.
-    With `class_labels` (a function from the drawn captions to class indices, `hf_ccl.class_prompts.ClassPrompts.labels`)
-    the batch also gets `class_labels`, the class of each row for the cross-entropy loss.
+    With `class_labels` (a function from the drawn captions and the rows' `label`s to class indices,
+    `hf_ccl.class_prompts.ClassPrompts.labels`) the batch also gets `class_labels`, the class of each row for the
+    cross-entropy loss.
 
     Rows from an image cache (`hf_ccl.data.image_cache`) carry `pixels` (the processor's resized and cropped uint8
     image) instead of `image`: they are only rescaled and normalised, with the processor's own arithmetic, so the
@@ -149,7 +150,7 @@ class CLIPCollator:
         parallel_pairing: str = "auto",
         num_workers: int = 0,
         padding: str = "longest",
-        class_labels: Callable[[Sequence[str]], Sequence[int]] | None = None,
+        class_labels: Callable[[Sequence[str], Sequence[int | None]], Sequence[int]] | None = None,
     ) -> None:
         if padding not in TEXT_PADDINGS:
             raise ValueError(f"padding must be one of {list(TEXT_PADDINGS)}, got {padding!r}")
@@ -289,7 +290,8 @@ class CLIPCollator:
             "image_hash": torch.tensor([stable_hash(image_id) for image_id in ids], dtype=torch.int64),
         }
         if self.class_labels is not None:
-            batch["class_labels"] = torch.tensor(list(self.class_labels(texts)), dtype=torch.int64)
+            labels = self.class_labels(texts, [row.get("label") for row in rows])
+            batch["class_labels"] = torch.tensor(list(labels), dtype=torch.int64)
         if self.parallel_text_column is not None:
             parallel = self.choose_parallel_texts(rows, indices)
             parallel_tokens = self.parallel_tokenizer(
