@@ -299,7 +299,7 @@ def summarize(results: list[dict], labels: list[str], stream, options, prior_not
 
 def load_prior(options, tokenizer, image_processor) -> torch.nn.Module:
     """The frozen prior: from `--prior-cache` when it holds one trained with these options, else trained (and
-    saved there, with the options, when `--prior-cache` is given). A cache trained otherwise is refused."""
+    saved there with the options). A cache trained with other options is a ValueError."""
     from hf_ccl.modeling import ContinualCLIPModel
 
     wanted = {"model": MODEL, "prior_images": options.prior_images, "prior_epochs": options.prior_epochs}
@@ -308,8 +308,8 @@ def load_prior(options, tokenizer, image_processor) -> torch.nn.Module:
         recorded = json.loads((cache / PRIOR_OPTIONS).read_text(encoding="utf-8")) if (
             cache / PRIOR_OPTIONS).exists() else None
         if recorded != json.loads(json.dumps(wanted)):
-            raise SystemExit(f"cmcl_pairs.py: error: --prior-cache {cache} holds a prior trained with {recorded}, "
-                             f"not {wanted}: give another --prior-cache folder or the options it was trained with")
+            raise ValueError(f"--prior-cache {cache} holds a prior trained with {recorded}, not {wanted}: give "
+                             "another --prior-cache folder or the options it was trained with")
         print(f"prior loaded from {cache}", flush=True)
         return ContinualCLIPModel.from_pretrained(cache).eval().requires_grad_(False)
     prior = train_prior(options, tokenizer, image_processor)
@@ -374,7 +374,10 @@ def main() -> None:
     except ValueError as error:
         parser.error(str(error))
     tokenizer, image_processor = load_tokenizer(), load_image_processor(MODEL["image_size"])
-    prior = load_prior(options, tokenizer, image_processor)
+    try:
+        prior = load_prior(options, tokenizer, image_processor)
+    except ValueError as error:
+        parser.error(str(error))
     results = []
     for seed in options.seeds:
         encoders = pair_encoders(copy.deepcopy(prior), image_processor, tokenizer, streams[seed].modalities)
