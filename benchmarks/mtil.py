@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 from languages import StepTimes  # benchmarks/ is on the path of `python benchmarks/mtil.py`
-from pretrain_start import MODEL, ensure_start_model, load_start_model
+from pretrain_start import DEFAULT_CACHE, MODEL, RECIPE, ensure_start_model, load_start_model
 from protocol import (
     add_stream_arguments,
     baseline_cells,
@@ -45,6 +45,8 @@ from protocol import (
     eval_baseline,
     paired_verdict,
     plasticity,
+    results_path,
+    score_table,
     task_orders,
     transfer_over,
     verdict_table,
@@ -113,7 +115,7 @@ def run(name: str, start, stream, order: str, options, seed: int, control: Any, 
     times, kept = StepTimes(), ControlRetrieval(control)
     learner = ContinualLearner(
         copy.deepcopy(start), stream, build_methods([name], method_args(name, options)),
-        load_image_processor(MODEL["image_size"]), load_tokenizer(),
+        load_image_processor(start.config.vision_config.image_size), load_tokenizer(),
         ContinualArguments(output_dir=str(Path(options.runs_dir) / f"{name}-{order}-{seed}"), save_checkpoints=False,
                            progress=False, seed=seed, overwrite_output_dir=True, classification_loss="cross_entropy",
                            training={"num_train_epochs": options.epochs,
@@ -174,7 +176,7 @@ def write(runs: list[dict], baselines: list, start: dict, options, command: str,
         "# Keeping zero-shot while learning downstream tasks: `mtil-heldout`",
         "",
         f"Command: `{command}`  ",
-        f"Starting model: `benchmarks/pretrain_start.py` ({MODEL}, see `start_model.md`; control Flickr8k-en test "
+        f"Starting model: `benchmarks/pretrain_start.py` ({options.start_model}, see `start_model.md`; control Flickr8k-en test "
         f"R_mean {start['control']:.1f} on {options.control_examples} images). Tasks (orders {', '.join(orders)}; "
         f"random = a seeded permutation per seed): {options.train_per_task} training images each, {options.epochs:g} "
         f"epochs, batch {options.batch_size}, lr {options.lr:g} (moe_adapters {options.moe_lr:g}: zero-initialised "
@@ -190,9 +192,12 @@ def write(runs: list[dict], baselines: list, start: dict, options, command: str,
         "**Control**: Flickr8k-en test retrieval R_mean after the last task (the starting model's own domain). "
         "Mean ± std over (order, seed) pairs.",
         "",
-        "Eval subsets (the starting model's zero-shot accuracy ± binomial SE beside chance and the majority rate):",
+        "Eval subsets, and the starting model's zero-shot accuracy on them ± binomial SE beside chance and the "
+        "majority rate:",
         "",
         *baseline_cells(baselines),
+        "",
+        *score_table("model", {"zero-shot model": start["zero_shot"]}, baselines),
         "",
         "| method | Transfer | Transfer (above) | Avg. | Last | plasticity | forgetting | control | time/step vs "
         "finetune | " + " | ".join(RUN_COST_HEADER) + " |",
@@ -241,8 +246,8 @@ def write(runs: list[dict], baselines: list, start: dict, options, command: str,
         for task, values in zip(tasks, matrix, strict=True):
             lines.append(f"| {task} | " + " | ".join(f"{v:.1f}" for v in values) + " |")
         lines.append("")
-    path.with_suffix(".md").write_text("\n".join(lines), encoding="utf-8")
-    path.with_suffix(".json").write_text(json.dumps({"start": start, "runs": runs}, indent=2) + "\n",
+    results_path(path, ".md").write_text("\n".join(lines), encoding="utf-8")
+    results_path(path, ".json").write_text(json.dumps({"start": start, "runs": runs}, indent=2) + "\n",
                                          encoding="utf-8")
 
 
@@ -263,32 +268,37 @@ def main() -> None:
     parser.add_argument("--moe-lr", type=float, default=2e-2,
                         help="moe_adapters' learning rate (zero-initialised experts scaled by 0.1: the official "
                              "scripts use 1e-3..5e-3 over 1000 iterations per task)")
+    parser.add_argument("--start-model", type=json.loads, default=MODEL,
+                        help="the starting model's sizes (JSON; benchmarks/pretrain_start.py)")
+    parser.add_argument("--start-epochs", type=float, default=RECIPE["epochs"],
+                        help="the starting model's pretraining epochs")
+    parser.add_argument("--start-cache", type=Path, default=DEFAULT_CACHE, help="where starting models are cached")
     add_stream_arguments(parser, default_output=str(Path(__file__).parent / "results" / "mtil_heldout"))
     options = parser.parse_args()
     command = "python benchmarks/mtil.py " + " ".join(
-        f"--{key.replace('_', '-')} {value}" for key, value in vars(options).items() if key != "runs_dir")
-    start_model = load_start_model(ensure_start_model())
+        f"--{key.replace('_', '-')} " + (",".join(map(str, value)) if isinstance(value, list) else
+                                         f"'{json.dumps(value)}'" if isinstance(value, dict) else str(value))
+        for key, value in vars(options).items() if key not in ("runs_dir", "start_cache") and value is not None)
+    start_model = load_start_model(ensure_start_model(
+        options.start_model, {**RECIPE, "epochs": options.start_epochs}, options.start_cache))
+    image_size = start_model.config.vision_config.image_size
     tokenizer = load_tokenizer()
     control = control_task(options)
-    seeds = [int(s) for s in options.seeds.split(",")]
-    tasks = options.tasks.split(",") if options.tasks else None
+    tasks = options.tasks
     reference = build_stream("mtil-heldout", tasks=tasks or MTIL_HELDOUT_ORDERS["I"],
                              max_train_per_task=1, max_eval_per_task=options.eval_per_task)
     initial = {}
     for task in reference:
-        initial[task.name] = evaluate_task(start_model, task, load_image_processor(MODEL["image_size"]),
+        initial[task.name] = evaluate_task(start_model, task, load_image_processor(image_size),
                                            tokenizer)["accuracy"]
     baselines = [eval_baseline(task) for task in reference]
     above_by_name = {b.task: initial[b.task] - 2 * binomial_se(initial[b.task], b.n) > b.majority for b in baselines}
     start = {"zero_shot": initial, "above": [above_by_name[b.task] for b in baselines],
-             "control": evaluate_task(start_model, control, load_image_processor(MODEL["image_size"]),
+             "control": evaluate_task(start_model, control, load_image_processor(image_size),
                                       tokenizer)["R_mean"]}
-    for baseline in baselines:
-        baseline.score = initial[baseline.task]  # shown beside chance and majority
     runs = []
-    orders = [o for o in options.order.split(",") if o]
-    for seed in seeds:
-        for order, keys in task_orders(orders, MTIL_HELDOUT_ORDERS, tasks, seed).items():
+    for seed in options.seeds:
+        for order, keys in task_orders(options.order, MTIL_HELDOUT_ORDERS, tasks, seed).items():
             stream = build_stream("mtil-heldout", tasks=tuple(keys), max_train_per_task=options.train_per_task,
                                   max_eval_per_task=options.eval_per_task)
             above = [above_by_name[name] for name in stream.task_names]
@@ -298,8 +308,8 @@ def main() -> None:
                 runs.append(run(name, start_model, stream, order, options, seed, control, above))
                 print(f"{name} order {order} seed {seed}: {time.perf_counter() - started:.0f} s; Transfer "
                       f"{runs[-1]['transfer']:.1f}, Last {runs[-1]['last']:.1f}", flush=True)
-                write(runs, baselines, start, options, command, Path(options.output))
-    print(Path(options.output).with_suffix(".md").read_text(encoding="utf-8")[:6000], flush=True)
+                write(runs, baselines, start, options, command, options.output)
+    print(results_path(options.output, ".md").read_text(encoding="utf-8")[:6000], flush=True)
 
 
 if __name__ == "__main__":
