@@ -18,18 +18,23 @@ Writes <output>.md/.json/.png (default benchmarks/results/forgetting_<stream>).
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import math
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+from pretrain_start import DEFAULT_CACHE, MODEL, RECIPE, ensure_start_model, load_start_model
 from protocol import (
     BASELINE_NOTE,
     VERDICT_NOTE,
+    ControlRetrieval,
     add_stream_arguments,
+    control_task,
     eval_baseline,
     paired_verdict,
     plasticity,
@@ -44,6 +49,7 @@ from transformers import TrainerCallback
 from hf_ccl.compute import RUN_COST_HEADER, RUN_COST_NOTE, mean_run_cost, run_cost, run_cost_cells
 from hf_ccl.continual import ContinualArguments, ContinualLearner
 from hf_ccl.data import build_stream, load_image_processor, load_tokenizer
+from hf_ccl.evaluation.evaluator import evaluate_task
 from hf_ccl.methods import build_methods
 from hf_ccl.testing import tiny_clip
 
@@ -86,30 +92,56 @@ def recall_at_1(metrics: dict[str, float]) -> float:
     return (metrics["i2t_R@1"] + metrics["t2i_R@1"]) / 2
 
 
-def method_args(names: list[str], buffer_size: int) -> dict:
+def parse_spec(spec: str) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """`"modx:alpha=5+er"` -> (["modx", "er"], {"modx": {"alpha": 5.0}}): methods joined by `+`, each with
+    `:key=value,...` options (numbers where they parse as numbers)."""
+    names, options = [], {}
+    for part in spec.split("+"):
+        name, _, rest = part.partition(":")
+        names.append(name)
+        for item in filter(None, rest.split(",")):
+            key, _, value = item.partition("=")
+            try:
+                options.setdefault(name, {})[key] = float(value) if "." in value or "e" in value else int(value)
+            except ValueError:
+                options.setdefault(name, {})[key] = value
+    return names, options
+
+
+def method_args(names: list[str], buffer_size: int, options: dict[str, dict[str, Any]] | None = None) -> dict:
     args = {}
     for name in names:
         if name in ("er", "der", "derpp"):
             args[name] = {"buffer_size": buffer_size}
         if name == "ctp":
             args[name] = {"queue_size": 256}
+    for name, values in (options or {}).items():
+        args[name] = {**args.get(name, {}), **values}
     return args
 
 
+def starting_model(args, seed: int):
+    """A random CLIP of `--size`, or (`--size start`) the cached pretrained starting model."""
+    if args.size == "start":
+        return copy.deepcopy(args.start)
+    return tiny_clip(seed=seed, **SIZES[args.size])
+
+
 def run_method(spec: str, order: str, seed: int, stream, tokenizer, args) -> dict:
-    names = spec.split("+")
-    log = StepLog()
+    names, options = parse_spec(spec)
+    log, kept = StepLog(), ControlRetrieval(args.control)
+    model = starting_model(args, seed)
     learner = ContinualLearner(
-        tiny_clip(seed=seed, **SIZES[args.size]), stream, build_methods(names, method_args(names, args.buffer_size)),
-        load_image_processor(SIZES[args.size]["image_size"]), tokenizer,
+        model, stream, build_methods(names, method_args(names, args.buffer_size, options)),
+        load_image_processor(model.config.vision_config.image_size), tokenizer,
         ContinualArguments(
-            output_dir=str(args.runs_dir / f"{spec}-{order}-seed{seed}"), save_checkpoints=False, progress=False,
-            seed=seed, first_task_epochs=args.first_epochs,
+            output_dir=str(args.runs_dir / f"{spec.replace(':', '_')}-{order}-seed{seed}"), save_checkpoints=False,
+            progress=False, seed=seed, first_task_epochs=None if args.size == "start" else args.first_epochs,
             training={"num_train_epochs": args.epochs, "per_device_train_batch_size": args.batch_size,
                       "learning_rate": args.lr, "warmup_steps": 0.1, "lr_scheduler_type": "cosine",
                       "weight_decay": 0.0},
         ),
-        callbacks=[log],
+        callbacks=[log], task_callbacks=[kept],
     )
     results = learner.fit()
     task_names = stream.task_names
@@ -132,12 +164,13 @@ def run_method(spec: str, order: str, seed: int, stream, tokenizer, args) -> dic
         "first_task_final": float(headline[-1, 0]),
         "median_step_s": statistics.median(log.step_times) if log.step_times else math.nan,
         "modx_kept_fraction": statistics.mean(log.kept) if log.kept else None,
+        "control": kept.scores, "control_last": kept.scores[-1],
         "cost": run_cost(learner.compute),
     }
 
 
 SCALARS = ("final_average", "final_average_R@1", "backward_transfer", "forgetting", "plasticity",
-           "first_task_initial", "first_task_final", "step_ratio")
+           "first_task_initial", "first_task_final", "control_last", "step_ratio")
 
 
 def aggregate(runs: list[dict]) -> list[dict]:
@@ -177,11 +210,15 @@ def verdicts(runs: list[dict]) -> list:
                                   [b["forgetting"] for b in paired], [r["forgetting"] for r in mine]))
         out.append(paired_verdict(f"{method} ends higher than finetune (final avg)",
                                   [r["final_average"] for r in mine], [b["final_average"] for b in paired]))
+        out.append(paired_verdict(f"{method} keeps the control better than finetune (Flickr8k-en test R_mean)",
+                                  [r["control_last"] for r in mine], [b["control_last"] for b in paired]))
     return out
 
 
 def cell(row: dict, key: str, digits: int) -> str:
     std = row[key + "_std"]
+    if math.isnan(row[key]):
+        return "-"
     return f"{row[key]:.{digits}f}" + (f" ± {std:.{digits}f}" if std else "")
 
 
@@ -189,7 +226,7 @@ def command(args, stream_name: str) -> str:
     tasks = f" --tasks {','.join(args.tasks)}" if args.tasks else ""
     return (f"python benchmarks/forgetting.py --stream {stream_name} --methods {args.methods} "
             f"--train-per-task {args.train_per_task} --eval-per-task {args.eval_per_task} --epochs {args.epochs} "
-            f"--first-epochs {args.first_epochs} --batch-size {args.batch_size} --size {args.size} "
+            f"--first-epochs {args.first_epochs} --batch-size {args.batch_size} --lr {args.lr} --size {args.size} "
             f"--order {','.join(args.order)}{tasks} --seeds {','.join(map(str, args.seeds))}")
 
 
@@ -201,10 +238,13 @@ def write_tables(runs: list[dict], stream, orders: dict, args, prefix: Path) -> 
         f"# Forgetting benchmark: `{stream.name}`",
         "",
         f"Command: `{command(args, stream.name)}`  ",
-        f"Model: random CLIP {SIZES[args.size]} (`--size {args.size}`) with the real CLIP vocabulary, pretrained on "
-        "the first task of each order for "
-        f"{args.first_epochs} epochs; {args.epochs} epochs on each later task; replay buffers {args.buffer_size} "
-        f"pairs. Orders: {order_text}. Headline metric per task: R_mean for captioned tasks, "
+        (f"Model: the cached starting model of `benchmarks/pretrain_start.py` ({args.start_model}; see "
+         f"`start_model.md`), {args.epochs} epochs on every task" if args.size == "start" else
+         f"Model: random CLIP {SIZES[args.size]} (`--size {args.size}`) with the real CLIP vocabulary, pretrained on "
+         f"the first task of each order for {args.first_epochs} epochs; {args.epochs} epochs on each later task")
+        + f"; lr {args.lr:g}; replay buffers {args.buffer_size} pairs; control = Flickr8k-en test retrieval R_mean "
+        f"on {args.control_examples} images after the last task (the starting model: {args.control_start:.1f}). "
+        f"Orders: {order_text}. Headline metric per task: R_mean for captioned tasks, "
         "zero-shot accuracy for class tasks (%). R@1 = mean of i2t and t2i Recall@1 (%), captioned tasks only. "
         f"Mean ± standard deviation over {len({tuple(r) for r in rows[0]['runs']})} runs (orders x seeds; model init, "
         "data order and caption sampling change with the seed; every run evaluates on the same eval rows); "
@@ -212,15 +252,16 @@ def write_tables(runs: list[dict], stream, orders: dict, args, prefix: Path) -> 
         "trained (it differs between orders); step-time ratios are taken against `finetune` of the same run.",
         "",
         "| method | final avg (headline) | final avg R@1 | BWT | forgetting | plasticity | first task: after it -> at "
-        "the end | step time vs finetune | Mod-X rows kept | " + " | ".join(RUN_COST_HEADER) + " |",
-        "|---" * (9 + len(RUN_COST_HEADER)) + "|",
+        "the end | control | step time vs finetune | Mod-X rows kept | " + " | ".join(RUN_COST_HEADER) + " |",
+        "|---" * (10 + len(RUN_COST_HEADER)) + "|",
     ]
     for r in rows:
         kept = "" if r["modx_kept_fraction"] is None else f"{100 * r['modx_kept_fraction']:.0f}%"
         lines.append(
             f"| {r['method']} | {cell(r, 'final_average', 1)} | {cell(r, 'final_average_R@1', 2)} | "
             f"{cell(r, 'backward_transfer', 1)} | {cell(r, 'forgetting', 1)} | {cell(r, 'plasticity', 1)} | "
-            f"{r['first_task_initial']:.1f} -> {r['first_task_final']:.1f} | {r['step_ratio']:.2f} | {kept} | "
+            f"{r['first_task_initial']:.1f} -> {r['first_task_final']:.1f} | {cell(r, 'control_last', 1)} | "
+            f"{r['step_ratio']:.2f} | {kept} | "
             f"{run_cost_cells(r['cost'])} |"
         )
     lines += ["", RUN_COST_NOTE, "", "Final headline score per task after the last task (mean over runs):", ""]
@@ -263,7 +304,14 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--buffer-size", type=int, default=100)
-    parser.add_argument("--size", default="default", choices=sorted(SIZES))
+    parser.add_argument("--size", default="default", choices=[*sorted(SIZES), "start"],
+                        help="a random CLIP pretrained on the first task, or 'start': the cached starting model of "
+                             "benchmarks/pretrain_start.py, every task trained --epochs")
+    parser.add_argument("--control-examples", type=int, default=300,
+                        help="Flickr8k-en test images of the control column")
+    parser.add_argument("--start-model", type=json.loads, default=MODEL, help="the starting model's sizes (JSON)")
+    parser.add_argument("--start-epochs", type=float, default=RECIPE["epochs"])
+    parser.add_argument("--start-cache", type=Path, default=DEFAULT_CACHE)
     add_stream_arguments(
         parser, default_output=str(RESULTS / "forgetting_{stream}"), orders=("I", "random"),
         tasks_help="comma-separated task names of --stream (e.g. flickr8k,rsscn7 for domains5), trained in the order "
@@ -280,6 +328,13 @@ def main() -> None:
         parser.error(str(error))
     fixed = {"I": stream.task_names}
     tokenizer = load_tokenizer()
+    args.control = control_task(args)
+    if args.size == "start":
+        args.start = load_start_model(ensure_start_model(args.start_model, {**RECIPE, "epochs": args.start_epochs},
+                                                         args.start_cache))
+    reference = starting_model(args, args.seeds[0])
+    args.control_start = evaluate_task(reference, args.control, load_image_processor(
+        reference.config.vision_config.image_size), tokenizer)["R_mean"]
     runs, orders = [], {}
     for seed in args.seeds:
         for order, tasks in task_orders(args.order, fixed, args.tasks, seed).items():

@@ -39,9 +39,11 @@ import torch
 from languages import StepTimes  # benchmarks/ is on the path of `python benchmarks/mtil.py`
 from pretrain_start import DEFAULT_CACHE, MODEL, RECIPE, ensure_start_model, load_start_model
 from protocol import (
+    ControlRetrieval,
     add_stream_arguments,
     baseline_cells,
     binomial_se,
+    control_task,
     eval_baseline,
     paired_verdict,
     plasticity,
@@ -52,7 +54,6 @@ from protocol import (
     verdict_table,
 )
 
-from hf_ccl.callbacks import TaskCallback
 from hf_ccl.compute import RUN_COST_HEADER, RUN_COST_NOTE, mean_run_cost, run_cost, run_cost_cells
 from hf_ccl.continual import ContinualArguments, ContinualLearner
 from hf_ccl.data import build_stream, load_image_processor, load_tokenizer
@@ -84,17 +85,6 @@ CLAIMS = (
 )
 
 
-class ControlRetrieval(TaskCallback):
-    """The control column: the model's Flickr8k English test retrieval (R_mean) after every evaluated task."""
-
-    def __init__(self, task: Any) -> None:
-        self.task, self.scores = task, []
-
-    def on_task_evaluated(self, args, state, control, learner=None, **kwargs) -> None:  # noqa: ANN001
-        self.scores.append(evaluate_task(learner.model, self.task, learner.image_processor,
-                                         learner.tokenizer)["R_mean"])
-
-
 def method_args(name: str, options) -> dict:
     return {
         "er": {"er": {"buffer_size": options.buffer_size}},
@@ -103,12 +93,6 @@ def method_args(name: str, options) -> dict:
                           "ensemble_every": options.ensemble_every}},
         "moe_adapters": {"moe_adapters": {"bottleneck": options.moe_bottleneck}},
     }.get(name, {})
-
-
-def control_task(options) -> Any:
-    """Flickr8k English test retrieval on a fixed subset: the pretraining domain the methods should keep."""
-    return build_stream("flickr8k-languages", languages=["en"], max_train_per_task=1,
-                        max_eval_per_task=options.control_examples)[0]
 
 
 def run(name: str, start, stream, order: str, options, seed: int, control: Any, above: list[bool]) -> dict:

@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from hf_ccl.callbacks import TaskCallback
+
 RANDOM = "random"
 GIVEN = "given"
 #: The `--runs-dir` default as argparse shows it; replaced by a fresh temporary folder when the option is not given.
@@ -391,3 +393,30 @@ def transfer_over(R: Any, columns: Sequence[int]) -> float:
     if not kept:
         return math.nan
     return float(np.mean([matrix[:j, j].mean() for j in kept]))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The control column: the starting model's own domain
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def control_task(options: Any) -> Any:
+    """Flickr8k English test retrieval on a fixed subset of `options.control_examples` images: the pretraining
+    domain of the benchmarks' starting model (`pretrain_start.py`), which the methods should keep."""
+    from hf_ccl.data import build_stream
+
+    return build_stream("flickr8k-languages", languages=["en"], max_train_per_task=1,
+                        max_eval_per_task=options.control_examples)[0]
+
+
+class ControlRetrieval(TaskCallback):
+    """The control column: the model's retrieval R_mean on `task` after every evaluated task (`scores`)."""
+
+    def __init__(self, task: Any) -> None:
+        self.task, self.scores = task, []
+
+    def on_task_evaluated(self, args, state, control, learner=None, **kwargs) -> None:  # noqa: ANN001
+        from hf_ccl.evaluation.evaluator import evaluate_task
+
+        self.scores.append(evaluate_task(learner.model, self.task, learner.image_processor,
+                                         learner.tokenizer)["R_mean"])
