@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import tarfile
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -215,6 +216,24 @@ def test_mtil_bundled_full_sizes_and_label_spaces(shared_data_root) -> None:
     source = load_split(shared_data_root / "fashion", "test")
     kept = [FASHION_SUBCATEGORIES[v] for v in source["sub_category"] if v in FASHION_SUBCATEGORIES]
     assert [fashion.class_names[label] for label in _labels(fashion.eval)] == kept
+
+
+def test_mtil_bundled_eval_subsets_are_stratified(shared_data_root) -> None:
+    """max_eval_per_task=300: an equal number per class (at most ceil(300 / K)); a class with fewer rows gives all
+    of them (full eval splits: sketch 161/147/161/131/151/19/37, fashion 161/59/31/24/20/20/7/8/6/6/6/10)."""
+    stream = build_stream("mtil-bundled", data_root=shared_data_root, max_train_per_task=300, max_eval_per_task=300)
+    counts = {task.name: [Counter(_labels(task.eval))[k] for k in range(len(task.class_names))] for task in stream}
+    assert counts["digits"] == counts["cifar10"] == [30] * 10
+    assert sorted(counts["rsscn7"]) == [42] + [43] * 6  # 300 = 7 * 42 + 6
+    assert counts["pacs-sketch"] == [43, 43, 43, 43, 43, 19, 37]  # house and person give all theirs
+    assert counts["fashion"] == [25, 25, 25, 24, 20, 20, 7, 8, 6, 6, 6, 10]  # tops: 25 of 182 rows, not 45 %
+    fashion_train = Counter(_labels(stream[4].train))
+    assert len(stream[4].train) == 300 and fashion_train[0] > 100  # train: the random subsample, tops ~45 %
+    again = build_stream("mtil-bundled", data_root=shared_data_root, tasks=["fashion"], max_eval_per_task=300)
+    assert _ids(again[0].eval) == _ids(stream[4].eval)  # the same rows in every order and task list
+    other = build_stream("mtil-bundled", data_root=shared_data_root, tasks=["fashion"], max_eval_per_task=300, seed=1)
+    assert _ids(other[0].eval) != _ids(stream[4].eval)
+    assert [Counter(_labels(other[0].eval))[k] for k in range(12)] == counts["fashion"]
 
 
 def test_mtil_bundled_orders_and_options(shared_data_root) -> None:

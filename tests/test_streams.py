@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import io
+from collections import Counter
 
+import numpy as np
 import pytest
 from datasets import ClassLabel, Dataset, Features, Image, List, Value, load_dataset
 from PIL import Image as PILImage
@@ -23,6 +25,7 @@ from hf_ccl.data import (
     to_canonical,
     validate_images,
 )
+from hf_ccl.data.builders import load_split, stratified_subsample, subsample
 
 SMALL = {"max_train_per_task": 40, "max_eval_per_task": 30}
 EXPECTED = {
@@ -145,6 +148,39 @@ def test_subsample_is_seeded(shared_data_root) -> None:
     c = stream_by_column(path, None, "domain", ["sketch"], seed=5, **kwargs)
     assert _ids(a[0].train) == _ids(b[0].train) != _ids(c[0].train)
     assert len(a[0].train) == 25 and len(a[0].eval) == 10
+
+
+def test_stratified_subsample_takes_an_equal_number_per_class() -> None:
+    labels = ["a"] * 50 + ["b"] * 30 + ["c"] * 4 + ["d"] * 16
+    rows = np.arange(100, 200)
+    chosen = stratified_subsample(rows, labels, 30, 0, "stream", "task", "eval")
+    counts = Counter(labels[row - 100] for row in chosen)
+    # 30 // 4 = 7 per class, c gives its 4 and keeps its share; 30 % 4 = 2 classes among a, b, d get an 8th row
+    assert counts["c"] == 4 and sorted(counts[k] for k in "abd") == [7, 8, 8] and len(chosen) == 27
+    assert list(chosen) == sorted(set(chosen)) and set(chosen) <= set(rows)
+    assert np.array_equal(chosen, stratified_subsample(rows, labels, 30, 0, "stream", "task", "eval"))
+    assert not np.array_equal(chosen, stratified_subsample(rows, labels, 30, 1, "stream", "task", "eval"))
+    assert not np.array_equal(chosen, stratified_subsample(rows, labels, 30, 0, "stream", "other", "eval"))
+    few = stratified_subsample(rows, labels, 3, 0, "k")  # fewer rows than classes: one row from each of 3 classes
+    assert len(few) == 3 and len({labels[row - 100] for row in few}) == 3
+    assert np.array_equal(stratified_subsample(rows, labels, 100, 0, "k"), rows)
+    assert np.array_equal(stratified_subsample(rows, labels, None, 0, "k"), rows)
+
+
+def test_only_classification_eval_splits_are_stratified(shared_data_root) -> None:
+    limits = dict(max_train_per_task=40, max_eval_per_task=14, seed=3)
+    sketch = stream_by_column(shared_data_root / "pacs", None, "domain", ["sketch"], label_column="label", **limits)[0]
+    eval_counts = Counter(sketch.eval["label"])
+    assert sorted(eval_counts.values()) == [2] * 7  # 14 // 7 classes
+    assert len(sketch.train) == 40 and max(Counter(sketch.train["label"]).values()) > 6  # train: at random
+    # captioned (retrieval) eval rows: the seeded random subsample, keyed by stream, task and split
+    footwear = stream_by_column(shared_data_root / "fashion", None, "master_category", ["Footwear"],
+                                text_column="title", **limits)[0]
+    test = load_split(shared_data_root / "fashion", "test")
+    rows = np.asarray([i for i, (category, title) in enumerate(zip(test["master_category"], test["title"],
+                                                                    strict=True)) if category == "Footwear" and title])
+    expected = subsample(rows, 14, 3, "fashion-by-master_category", "Footwear", "eval")
+    assert _ids(footwear.eval) == [f"fashion/test/{row}" for row in expected]
 
 
 def test_by_column_with_grouped_values(shared_data_root) -> None:

@@ -6,6 +6,12 @@ its rows to the canonical schema of `hf_ccl.data.task` (`hf_ccl.data.canonical`)
 starts, that the columns exist, that no task is empty and that every image path names a file (relative paths
 resolve against the folder of the data file that holds them).
 
+`max_train_per_task` / `max_eval_per_task` keep a seeded subsample of each task's rows, keyed by `seed`, the stream,
+the task and the split (so a task keeps the same rows in every order and task list). A classification task's eval
+split is stratified (`stratified_subsample`): an equal number of rows per class, at most `ceil(limit / K)` each; a
+class with fewer rows gives all of them, so a subset of imbalanced data can hold fewer than `limit` rows. Train splits
+and captioned (retrieval) eval splits are a random subsample (`subsample`).
+
 Every row a builder leaves out is counted per task, split and reason on the stream (`TaskStream.dropped`) and
 logged once (`hf_ccl.data.dropped`).
 
@@ -87,6 +93,7 @@ __all__ = [
     "stream_class_incremental",
     "stream_from_datasets",
     "stream_random_split",
+    "stratified_subsample",
     "subsample",
     "to_canonical",
     "usable_rows",
@@ -252,6 +259,41 @@ def subsample(rows: np.ndarray, limit: int | None, seed: int, *key: Any) -> np.n
     return np.sort(rows[rng.choice(len(rows), size=limit, replace=False)])
 
 
+def stratified_subsample(rows: np.ndarray, labels: Sequence[Any], limit: int | None, seed: int, *key: Any) -> np.ndarray:
+    """At most `limit` of `rows` (whose classes are `labels`), the same number per class where the data allows.
+
+    Each class gets `limit // K` rows (K: the classes among `rows`) and `limit % K` classes, drawn at random among
+    those with rows to spare, one more: no class holds more than `ceil(limit / K)` rows. A class with fewer rows
+    gives all of them, and its unused share is not passed on, so the subset can hold fewer than `limit` rows (a
+    majority class stays as large as the others). Which classes get the extra row and which rows each class keeps
+    are drawn by a generator seeded as `subsample`'s (`seed` and `key`); the rows stay in their original order.
+    """
+    if limit is None or len(rows) <= limit:
+        return rows
+    rng = np.random.default_rng(_stable_seed(seed, *key))
+    by_class: dict[Any, list[int]] = {}
+    for position, label in enumerate(labels):
+        by_class.setdefault(label, []).append(position)
+    groups = [np.asarray(by_class[label]) for label in sorted(by_class, key=str)]
+    base, extra = divmod(limit, len(groups))
+    quota = np.asarray([min(len(group), base) for group in groups])
+    spare = np.flatnonzero([len(group) > base for group in groups])
+    if extra and len(spare):
+        quota[rng.choice(spare, size=min(extra, len(spare)), replace=False)] += 1
+    chosen = [group[rng.choice(len(group), size=n, replace=False)] for group, n in zip(groups, quota, strict=True)]
+    return np.sort(rows[np.concatenate(chosen)])
+
+
+def _split_subsample(stream: str, item: _Resolved, role: str, rows: np.ndarray, options: _Options) -> np.ndarray:
+    """The rows a split keeps under its limit: a classification task's eval rows stratified by class
+    (`stratified_subsample`), every other split at random (`subsample`); both keyed by stream, task and role."""
+    limit, key = options.limit(role), (stream, item.name, role)
+    if role != "eval" or item.spec.kind != "classification" or limit is None or len(rows) <= limit:
+        return subsample(rows, limit, options.seed, *key)
+    values = column_values(item.data[role], str(item.spec.label_column))
+    return stratified_subsample(rows, [values[i] for i in rows], limit, options.seed, *key)
+
+
 def _no_text(spec: TextSpec) -> str:
     return drops.NO_CAPTION if spec.text_column is not None else drops.NO_LABEL
 
@@ -352,7 +394,7 @@ def _task_rows(stream: str, item: _Resolved, role: str, report: drops.SplitCount
 def _build_split(stream: str, item: _Resolved, role: str, options: _Options, report: drops.SplitCounts) -> Dataset:
     """One split of a task in the canonical schema (rows selected, subsampled, converted, optionally validated)."""
     rows = _task_rows(stream, item, role, report)
-    chosen = subsample(rows, options.limit(role), options.seed, stream, item.name, role)
+    chosen = _split_subsample(stream, item, role, rows, options)
     drops.count(report, role, drops.over_limit(role), len(rows) - len(chosen))
     built = canonical_split(
         item.data[role],
