@@ -1,14 +1,18 @@
 """Do the methods keep what was learned? Every method on the same stream, same model init, same epochs per task.
 
 A random CLIP is pretrained on the first task (`--first-epochs`), then trained on the rest of the stream with each
-method. Per method: the final average of the headline metric and of Recall@1 (mean of both directions, retrieval
-tasks), backward transfer and forgetting (on the headline metric), the first task's Recall@1 after the last task,
-Mod-X's kept-row fraction, and the median step time relative to `finetune` from the same run. Plots: the first
-task's Recall@1 after every task, one curve per method.
+method, in every order of `--order` (the stream's own order `I` and a seeded random one) and every seed. Per method:
+the final average of the headline metric and of Recall@1 (mean of both directions, retrieval tasks), backward
+transfer and forgetting (on the headline metric), plasticity (the headline score on each task right after training
+it), the first trained task's headline score right after it and after the last task, Mod-X's kept-row fraction, and
+the median step time relative to `finetune` from the same run; each method's final score per task beside chance,
+the majority-class rate and its standard error (`protocol.py`); and verdicts on "forgets less than finetune" and
+"ends higher than finetune", paired by (order, seed). Plot: the first trained task's score after every task.
 
-    python benchmarks/forgetting.py --stream flickr8k-random5 [--methods finetune,modx,...] [--seeds 0,1,2]
+    python benchmarks/forgetting.py --stream flickr8k-random5 [--methods finetune,modx,...] [--order I,random]
+        [--tasks ...] [--seeds 0,1,2] [--output PREFIX] [--runs-dir DIR]
 
-Writes benchmarks/results/forgetting_<stream>.md/.json/.png.
+Writes <output>.md/.json/.png (default benchmarks/results/forgetting_<stream>).
 """
 
 from __future__ import annotations
@@ -22,6 +26,19 @@ import time
 from pathlib import Path
 
 import numpy as np
+from protocol import (
+    BASELINE_NOTE,
+    VERDICT_NOTE,
+    add_stream_arguments,
+    eval_baseline,
+    paired_verdict,
+    plasticity,
+    reorder,
+    results_path,
+    score_table,
+    task_orders,
+    verdict_table,
+)
 from transformers import TrainerCallback
 
 from hf_ccl.compute import RUN_COST_HEADER, RUN_COST_NOTE, mean_run_cost, run_cost, run_cost_cells
@@ -31,6 +48,7 @@ from hf_ccl.methods import build_methods
 from hf_ccl.testing import tiny_clip
 
 METHODS = "finetune,joint,modx,ctp,lwf,ewc,si,mas,er,derpp,modx+er,ctp+er"
+RESULTS = Path(__file__).parent / "results"
 SIZES = {
     "default": {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "projection_dim": 64, "image_size": 32},
     # 8M parameters besides the token embedding, at the bundled images' full 64 px
@@ -78,15 +96,15 @@ def method_args(names: list[str], buffer_size: int) -> dict:
     return args
 
 
-def run_method(spec: str, seed: int, stream, tokenizer, args, output_dir: Path) -> dict:
+def run_method(spec: str, order: str, seed: int, stream, tokenizer, args) -> dict:
     names = spec.split("+")
     log = StepLog()
     learner = ContinualLearner(
         tiny_clip(seed=seed, **SIZES[args.size]), stream, build_methods(names, method_args(names, args.buffer_size)),
         load_image_processor(SIZES[args.size]["image_size"]), tokenizer,
         ContinualArguments(
-            output_dir=str(output_dir / f"{spec}-seed{seed}"), save_checkpoints=False, progress=False, seed=seed,
-            first_task_epochs=args.first_epochs,
+            output_dir=str(args.runs_dir / f"{spec}-{order}-seed{seed}"), save_checkpoints=False, progress=False,
+            seed=seed, first_task_epochs=args.first_epochs,
             training={"num_train_epochs": args.epochs, "per_device_train_batch_size": args.batch_size,
                       "learning_rate": args.lr, "warmup_steps": 0.1, "lr_scheduler_type": "cosine",
                       "weight_decay": 0.0},
@@ -96,37 +114,42 @@ def run_method(spec: str, seed: int, stream, tokenizer, args, output_dir: Path) 
     results = learner.fit()
     task_names = stream.task_names
     r1 = np.array([[recall_at_1(row.metrics[name]) for name in task_names] for row in results.rows])
+    headline = results.headline()
     summary = results.summary()
     return {
         "method": spec,
+        "order": order,
         "seed": seed,
-        "headline": results.headline().tolist(),
+        "tasks": task_names,
+        "headline": headline.tolist(),
         "recall_at_1": r1.tolist(),
         "final_average": summary["final_average"],
         "final_average_R@1": float(np.nanmean(r1[-1])) if not np.all(np.isnan(r1[-1])) else math.nan,
         "backward_transfer": summary["backward_transfer"],
         "forgetting": summary["forgetting"],
-        "first_task_R@1_initial": float(r1[0, 0]),
-        "first_task_R@1_final": float(r1[-1, 0]),
+        "plasticity": plasticity(headline),
+        "first_task_initial": float(headline[0, 0]),
+        "first_task_final": float(headline[-1, 0]),
         "median_step_s": statistics.median(log.step_times) if log.step_times else math.nan,
         "modx_kept_fraction": statistics.mean(log.kept) if log.kept else None,
         "cost": run_cost(learner.compute),
     }
 
 
-SCALARS = ("final_average", "final_average_R@1", "backward_transfer", "forgetting", "first_task_R@1_initial",
-           "first_task_R@1_final", "step_ratio")
+SCALARS = ("final_average", "final_average_R@1", "backward_transfer", "forgetting", "plasticity",
+           "first_task_initial", "first_task_final", "step_ratio")
 
 
 def aggregate(runs: list[dict]) -> list[dict]:
-    """Mean and standard deviation over seeds per method; step times as ratios to `finetune` of the same seed."""
-    base = {r["seed"]: r["median_step_s"] for r in runs if r["method"] == "finetune"}
+    """Mean and standard deviation over runs (orders x seeds) per method; step times as ratios to `finetune` of
+    the same order and seed."""
+    base = {(r["order"], r["seed"]): r["median_step_s"] for r in runs if r["method"] == "finetune"}
     for r in runs:
-        r["step_ratio"] = r["median_step_s"] / base.get(r["seed"], math.nan)
+        r["step_ratio"] = r["median_step_s"] / base.get((r["order"], r["seed"]), math.nan)
     rows = []
     for method in dict.fromkeys(r["method"] for r in runs):
         mine = [r for r in runs if r["method"] == method]
-        row = {"method": method, "seeds": [r["seed"] for r in mine]}
+        row = {"method": method, "runs": [[r["order"], r["seed"]] for r in mine]}
         for key in SCALARS:
             values = np.array([r[key] for r in mine], dtype=float)
             row[key] = float(np.mean(values))
@@ -134,9 +157,27 @@ def aggregate(runs: list[dict]) -> list[dict]:
         kept = [r["modx_kept_fraction"] for r in mine if r["modx_kept_fraction"] is not None]
         row["modx_kept_fraction"] = statistics.fmean(kept) if kept else None
         row["cost"] = mean_run_cost([r["cost"] for r in mine])
-        row["first_task_R@1_curve"] = np.mean([[x[0] for x in r["recall_at_1"]] for r in mine], axis=0).tolist()
+        row["first_task_curve"] = np.mean([[x[0] for x in r["headline"]] for r in mine], axis=0).tolist()
+        finals = [dict(zip(r["tasks"], r["headline"][-1], strict=True)) for r in mine]
+        row["final_per_task"] = {task: float(np.mean([f[task] for f in finals])) for task in finals[0]}
         rows.append(row)
     return rows
+
+
+def verdicts(runs: list[dict]) -> list:
+    """Each method against `finetune` of the same order and seed: forgets less, ends higher."""
+    base = {(r["order"], r["seed"]): r for r in runs if r["method"] == "finetune"}
+    out = []
+    for method in dict.fromkeys(r["method"] for r in runs if r["method"] != "finetune"):
+        mine = [r for r in runs if r["method"] == method and (r["order"], r["seed"]) in base]
+        if not mine:
+            continue
+        paired = [base[(r["order"], r["seed"])] for r in mine]
+        out.append(paired_verdict(f"{method} forgets less than finetune (forgetting)",
+                                  [b["forgetting"] for b in paired], [r["forgetting"] for r in mine]))
+        out.append(paired_verdict(f"{method} ends higher than finetune (final avg)",
+                                  [r["final_average"] for r in mine], [b["final_average"] for b in paired]))
+    return out
 
 
 def cell(row: dict, key: str, digits: int) -> str:
@@ -144,42 +185,57 @@ def cell(row: dict, key: str, digits: int) -> str:
     return f"{row[key]:.{digits}f}" + (f" ± {std:.{digits}f}" if std else "")
 
 
-def write_tables(runs: list[dict], stream, args, path: Path) -> list[dict]:
+def command(args, stream_name: str) -> str:
+    tasks = f" --tasks {','.join(args.tasks)}" if args.tasks else ""
+    return (f"python benchmarks/forgetting.py --stream {stream_name} --methods {args.methods} "
+            f"--train-per-task {args.train_per_task} --eval-per-task {args.eval_per_task} --epochs {args.epochs} "
+            f"--first-epochs {args.first_epochs} --batch-size {args.batch_size} --size {args.size} "
+            f"--order {','.join(args.order)}{tasks} --seeds {','.join(map(str, args.seeds))}")
+
+
+def write_tables(runs: list[dict], stream, orders: dict, args, prefix: Path) -> list[dict]:
     rows = aggregate(runs)
+    baselines = [eval_baseline(task) for task in stream]
+    order_text = "; ".join(f"{name} (seed {seed}): {', '.join(tasks)}" for (name, seed), tasks in orders.items())
     lines = [
         f"# Forgetting benchmark: `{stream.name}`",
         "",
-        f"Command: `python benchmarks/forgetting.py --stream {stream.name} --methods {args.methods} "
-        f"--train-per-task {args.train_per_task} --eval-per-task {args.eval_per_task} --epochs {args.epochs} "
-        f"--first-epochs {args.first_epochs} --batch-size {args.batch_size} --size {args.size} --seeds {args.seeds}`  ",
+        f"Command: `{command(args, stream.name)}`  ",
         f"Model: random CLIP {SIZES[args.size]} (`--size {args.size}`) with the real CLIP vocabulary, pretrained on "
-        "the first task for "
+        "the first task of each order for "
         f"{args.first_epochs} epochs; {args.epochs} epochs on each later task; replay buffers {args.buffer_size} "
-        f"pairs. Tasks: {', '.join(stream.task_names)}. Headline metric per task: R_mean for captioned tasks, "
+        f"pairs. Orders: {order_text}. Headline metric per task: R_mean for captioned tasks, "
         "zero-shot accuracy for class tasks (%). R@1 = mean of i2t and t2i Recall@1 (%), captioned tasks only. "
-        f"Mean ± standard deviation over seeds {args.seeds} (model init, data order and caption sampling change with "
-        "the seed); step-time ratios are taken against `finetune` of the same seed.",
+        f"Mean ± standard deviation over {len({tuple(r) for r in rows[0]['runs']})} runs (orders x seeds; model init, "
+        "data order and caption sampling change with the seed; every run evaluates on the same eval rows); "
+        "plasticity = mean headline score on each task right after training it; first task = the first task "
+        "trained (it differs between orders); step-time ratios are taken against `finetune` of the same run.",
         "",
-        "| method | final avg (headline) | final avg R@1 | BWT | forgetting | first task R@1: after it -> at the end "
-        "| step time vs finetune | Mod-X rows kept | " + " | ".join(RUN_COST_HEADER) + " |",
-        "|---" * (8 + len(RUN_COST_HEADER)) + "|",
+        "| method | final avg (headline) | final avg R@1 | BWT | forgetting | plasticity | first task: after it -> at "
+        "the end | step time vs finetune | Mod-X rows kept | " + " | ".join(RUN_COST_HEADER) + " |",
+        "|---" * (9 + len(RUN_COST_HEADER)) + "|",
     ]
     for r in rows:
         kept = "" if r["modx_kept_fraction"] is None else f"{100 * r['modx_kept_fraction']:.0f}%"
         lines.append(
             f"| {r['method']} | {cell(r, 'final_average', 1)} | {cell(r, 'final_average_R@1', 2)} | "
-            f"{cell(r, 'backward_transfer', 1)} | {cell(r, 'forgetting', 1)} | {r['first_task_R@1_initial']:.2f} -> "
-            f"{r['first_task_R@1_final']:.2f} | {r['step_ratio']:.2f} | {kept} | {run_cost_cells(r['cost'])} |"
+            f"{cell(r, 'backward_transfer', 1)} | {cell(r, 'forgetting', 1)} | {cell(r, 'plasticity', 1)} | "
+            f"{r['first_task_initial']:.1f} -> {r['first_task_final']:.1f} | {r['step_ratio']:.2f} | {kept} | "
+            f"{run_cost_cells(r['cost'])} |"
         )
-    lines += ["", RUN_COST_NOTE]
-    path.with_suffix(".md").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    path.with_suffix(".json").write_text(json.dumps({"summary": rows, "runs": runs}, indent=2) + "\n",
-                                         encoding="utf-8")
+    lines += ["", RUN_COST_NOTE, "", "Final headline score per task after the last task (mean over runs):", ""]
+    lines += score_table("method", {r["method"]: r["final_per_task"] for r in rows}, baselines)
+    lines += ["", BASELINE_NOTE, "", "Claims, each method against finetune of the same order and seed:", ""]
+    lines += verdict_table(verdicts(runs)) + ["", VERDICT_NOTE]
+    results_path(prefix, ".md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    results_path(prefix, ".json").write_text(
+        json.dumps({"summary": rows, "runs": runs, "orders": [[n, s, t] for (n, s), t in orders.items()],
+                    "baselines": [vars(b) for b in baselines]}, indent=2) + "\n", encoding="utf-8")
     print("\n".join(lines), flush=True)
     return rows
 
 
-def plot(rows: list[dict], stream, path: Path) -> None:
+def plot(rows: list[dict], stream, prefix: Path) -> None:
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -187,13 +243,13 @@ def plot(rows: list[dict], stream, path: Path) -> None:
     figure = Figure(figsize=(7, 4), layout="constrained")
     axes = figure.subplots()
     for r in rows:
-        curve = r["first_task_R@1_curve"]
+        curve = r["first_task_curve"]
         axes.plot(range(1, len(curve) + 1), curve, marker="o", label=r["method"])
     axes.set_xlabel("after task")
-    axes.set_ylabel(f"R@1 on {stream.task_names[0]} (%)")
-    axes.set_title(f"First task's Recall@1 over the stream ({stream.name})")
+    axes.set_ylabel("first trained task, headline (%)")
+    axes.set_title(f"First task's score over the stream ({stream.name}, mean over runs)")
     axes.legend(fontsize=7, ncols=2)
-    figure.savefig(path.with_suffix(".png"), dpi=120)
+    figure.savefig(results_path(prefix, ".png"), dpi=120)
 
 
 def main() -> None:
@@ -208,23 +264,34 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--buffer-size", type=int, default=100)
     parser.add_argument("--size", default="default", choices=sorted(SIZES))
-    parser.add_argument("--seeds", default="0", help="comma-separated seeds; the table shows mean ± std")
-    parser.add_argument("--output", default=str(Path(__file__).parent / "results"))
+    add_stream_arguments(
+        parser, default_output=str(RESULTS / "forgetting_{stream}"), orders=("I", "random"),
+        tasks_help="comma-separated task names of --stream (e.g. flickr8k,rsscn7 for domains5), trained in the order "
+                   "given (default: all, in the stream's order I)",
+    )
     args = parser.parse_args()
+    prefix = Path(str(args.output).replace("{stream}", args.stream))
 
-    stream = build_stream(args.stream, max_train_per_task=args.train_per_task, max_eval_per_task=args.eval_per_task)
+    try:
+        stream = build_stream(args.stream, max_train_per_task=args.train_per_task,
+                              max_eval_per_task=args.eval_per_task)
+        reorder(stream, args.tasks or stream.task_names)  # unknown or repeated task names, before any run
+    except ValueError as error:
+        parser.error(str(error))
+    fixed = {"I": stream.task_names}
     tokenizer = load_tokenizer()
-    path = Path(args.output) / f"forgetting_{args.stream}"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    runs = []
-    for seed in [int(s) for s in args.seeds.split(",")]:
-        for spec in args.methods.split(","):
-            started = time.perf_counter()
-            runs.append(run_method(spec, seed, stream, tokenizer, args, Path("/tmp/hf_ccl_forgetting") / args.stream))
-            gc.collect()  # the next run's peak memory should not include this one's learner
-            print(f"{spec} seed {seed}: done in {time.perf_counter() - started:.0f} s", flush=True)
-            rows = write_tables(runs, stream, args, path)
-    plot(rows, stream, path)
+    runs, orders = [], {}
+    for seed in args.seeds:
+        for order, tasks in task_orders(args.order, fixed, args.tasks, seed).items():
+            orders[(order, seed)] = tasks
+            ordered = reorder(stream, tasks)
+            for spec in args.methods.split(","):
+                started = time.perf_counter()
+                runs.append(run_method(spec, order, seed, ordered, tokenizer, args))
+                gc.collect()  # the next run's peak memory should not include this one's learner
+                print(f"{spec} order {order} seed {seed}: done in {time.perf_counter() - started:.0f} s", flush=True)
+                rows = write_tables(runs, stream, orders, args, prefix)
+    plot(rows, stream, prefix)
 
 
 if __name__ == "__main__":

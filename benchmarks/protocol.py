@@ -43,7 +43,8 @@ VERDICT_NOTE = (
 )
 BASELINE_NOTE = (
     "chance = 100/K for K classes; majority = the largest class's share of the eval rows (a constant guess); "
-    "± = binomial standard error of a score on the task's n eval rows, sqrt(p(1-p)/n)."
+    "± = binomial standard error of a score on the task's n eval rows, sqrt(p(1-p)/n) (for a retrieval score, "
+    "n queries; approximate for R_mean, a mean of several recalls)."
 )
 
 
@@ -136,7 +137,9 @@ def task_orders(
 
     A name of `fixed` gives that fixed order; with `tasks` given, the fixed orders asked for give way to one order
     named 'given' holding `tasks` as given. 'random' is `np.random.default_rng(seed).permutation` of `tasks` (or of
-    `fixed['I']`, else the first fixed order). Any other name is a ValueError naming the valid ones.
+    `fixed['I']`, else the first fixed order), drawn again from the same generator while it equals another order
+    asked for (a repeated run would count twice in a paired verdict), unless no other permutation exists. Any other
+    name is a ValueError naming the valid ones.
     """
     valid = [*fixed, RANDOM]
     unknown = [name for name in orders if name not in valid]
@@ -145,14 +148,19 @@ def task_orders(
     if not fixed and tasks is None:
         raise ValueError("task_orders needs a fixed order or a task list")
     base = list(tasks) if tasks is not None else list(fixed.get("I", next(iter(fixed.values()))))
-    result: dict[str, list[str]] = {}
+    named = {(GIVEN if tasks is not None else name): list(tasks if tasks is not None else fixed[name])
+             for name in orders if name != RANDOM}
+    result = {}
     for name in dict.fromkeys(orders):
-        if name == RANDOM:
-            result[RANDOM] = [str(key) for key in np.random.default_rng(seed).permutation(np.array(base, dtype=object))]
-        elif tasks is not None:
-            result[GIVEN] = list(tasks)
+        key = name if name == RANDOM or tasks is None else GIVEN
+        if key == RANDOM:
+            rng, taken = np.random.default_rng(seed), [tuple(order) for order in named.values()]
+            drawn = [base[i] for i in rng.permutation(len(base))]
+            while tuple(drawn) in taken and len(set(taken)) < math.factorial(len(base)):
+                drawn = [base[i] for i in rng.permutation(len(base))]
+            result[RANDOM] = drawn
         else:
-            result[name] = list(fixed[name])
+            result[key] = named[key]
     return result
 
 
@@ -224,6 +232,23 @@ def baseline_cells(baselines: Sequence[TaskBaseline]) -> list[str]:
     for b in baselines:
         classes = str(b.n_classes) if b.n_classes else "n/a (retrieval)"
         lines.append(f"| {b.task} | {classes} | {b.n} | {format_score(b.chance)} | {format_score(b.majority)} |")
+    return lines
+
+
+def score_table(first_column: str, rows: Mapping[str, Mapping[str, float]],
+                baselines: Sequence[TaskBaseline]) -> list[str]:
+    """Markdown table lines of per-task scores: one column per task of `baselines` (in that order), a first row
+    "chance / majority" (classification tasks), then one row per entry of `rows` (label -> task -> score, %), each
+    score ± its binomial standard error on the task's eval rows (`format_score`); a task missing from a row: n/a."""
+    lines = [f"| {first_column} | " + " | ".join(b.task for b in baselines) + " |",
+             "|---" * (len(baselines) + 1) + "|"]
+    if any(b.n_classes for b in baselines):
+        lines.append("| chance / majority | " + " | ".join(
+            f"{format_score(b.chance)} / {format_score(b.majority)}" if b.n_classes else "n/a" for b in baselines
+        ) + " |")
+    for label, scores in rows.items():
+        cells = [format_score(scores.get(b.task, math.nan), b.n) for b in baselines]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
 
 

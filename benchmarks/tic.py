@@ -10,9 +10,14 @@ Per strategy: the evaluation matrix E (headline metric: mean R@1-based R_mean fo
 for class steps), TiC's ID (diagonal mean), BWT (strict lower triangle) and FWT (strict upper triangle) and their
 relative variants (App. F), total samples seen and the MACs estimate (hf_ccl.compute).
 
-    python benchmarks/tic.py --stream fashion-years [--samples-per-step 2048] [--seeds 0,1,2]
+Every score of the matrices stands beside its binomial standard error, and a step scored by classification beside
+chance and the majority-class rate (`protocol.py`); each strategy's ID and BWT are judged against Sequential's from
+runs paired by seed. A time stream has one order (time): `--tasks` picks and orders its steps.
 
-Writes benchmarks/results/tic_<stream>.md/.json.
+    python benchmarks/tic.py --stream fashion-years [--samples-per-step 2048] [--tasks ...] [--seeds 0,1,2]
+        [--output PREFIX] [--runs-dir DIR]
+
+Writes <output>.md/.json (default benchmarks/results/tic_<stream>).
 """
 
 from __future__ import annotations
@@ -24,6 +29,17 @@ import time
 from pathlib import Path
 
 import numpy as np
+from protocol import (
+    BASELINE_NOTE,
+    VERDICT_NOTE,
+    add_stream_arguments,
+    eval_baseline,
+    paired_verdict,
+    reorder,
+    results_path,
+    score_table,
+    verdict_table,
+)
 
 from hf_ccl.compute import RUN_COST_HEADER, RUN_COST_NOTE, mean_run_cost, run_cost, run_cost_cells
 from hf_ccl.continual import ContinualArguments, ContinualLearner
@@ -31,12 +47,13 @@ from hf_ccl.data import build_stream, load_image_processor, load_tokenizer
 from hf_ccl.methods import build_methods
 from hf_ccl.testing import tiny_clip
 
+RESULTS = Path(__file__).parent / "results"
 STRATEGIES = "sequential,cumulative_all,cumulative_exp,cumulative_equal,restart,oracle,patching,lwf,ewc"
 MODEL = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "projection_dim": 64, "image_size": 32}
 SUMMARY_KEYS = ("tic_id", "tic_bwt", "tic_fwt", "tic_rel_bwt", "tic_rel_fwt", "final_average")
 
 
-def run_strategy(name: str, seed: int, stream, tokenizer, options, output_dir: Path) -> dict:
+def run_strategy(name: str, seed: int, stream, tokenizer, options) -> dict:
     started = time.perf_counter()
     learner = ContinualLearner(
         tiny_clip(seed=seed, **MODEL), stream,
@@ -45,7 +62,7 @@ def run_strategy(name: str, seed: int, stream, tokenizer, options, output_dir: P
         load_image_processor(MODEL["image_size"]),
         tokenizer,
         ContinualArguments(
-            output_dir=str(output_dir / f"{name}-{seed}"), save_checkpoints=False, progress=False, seed=seed,
+            output_dir=str(options.runs_dir / f"{name}-{seed}"), save_checkpoints=False, progress=False, seed=seed,
             evaluate_initial=False, samples_per_task=options.samples_per_step, warmup="first_task",
             training={"per_device_train_batch_size": options.batch_size, "learning_rate": options.lr,
                       "warmup_steps": options.warmup_steps, "lr_scheduler_type": "cosine", "weight_decay": 0.2,
@@ -83,23 +100,39 @@ def cell(row: dict, key: str) -> str:
     return f"{row[key]:.1f}" + (f" ± {std:.1f}" if std else "")
 
 
-def write(runs: list[dict], stream, options, path: Path) -> None:
+def verdicts(runs: list[dict]) -> list:
+    """Each strategy against Sequential of the same seed: higher ID, higher BWT."""
+    base = {r["seed"]: r for r in runs if r["strategy"] == "sequential"}
+    out = []
+    for name in dict.fromkeys(r["strategy"] for r in runs if r["strategy"] != "sequential"):
+        mine = [r for r in runs if r["strategy"] == name and r["seed"] in base]
+        for key, what in (("tic_id", "ID"), ("tic_bwt", "BWT")):
+            if mine:
+                out.append(paired_verdict(f"{name}: {what} above sequential", [r[key] for r in mine],
+                                          [base[r["seed"]][key] for r in mine]))
+    return out
+
+
+def write(runs: list[dict], stream, options, prefix: Path) -> None:
     rows = aggregate(runs)
     base = next((r for r in rows if r["strategy"] == "sequential"), rows[0])
     names = stream.task_names
+    baselines = [eval_baseline(task) for task in stream]
+    tasks = f"--tasks {','.join(options.tasks)} " if options.tasks else ""
     lines = [
         f"# TiC-CLIP protocol on `{stream.name}`",
         "",
-        f"Command: `python benchmarks/tic.py --stream {stream.name} --strategies {options.strategies} "
+        f"Command: `python benchmarks/tic.py --stream {options.stream} {tasks}--strategies {options.strategies} "
         f"--samples-per-step {options.samples_per_step} --batch-size {options.batch_size} --lr {options.lr} "
         f"--warmup-steps {options.warmup_steps} "
         + (f"--train-per-step {options.train_per_step} " if options.train_per_step is not None else "")
         + f"--eval-per-step {options.eval_per_step} --patching-validation {options.patching_validation} "
-        f"--seeds {options.seeds}`  ",
+        f"--seeds {','.join(map(str, options.seeds))}`  ",
         f"Random CLIP {MODEL} with the real CLIP vocabulary, trained from scratch on step 1 by every strategy. "
         f"Steps: {', '.join(names)} (train sizes {[len(t.train) for t in stream]}). Compute C = "
         f"{options.samples_per_step} samples per step (batch {options.batch_size}); Oracle t*C. Score per step: "
-        f"{', '.join(sorted({t.headline_metric for t in stream}))} (%). Mean ± std over seeds {options.seeds}. "
+        f"{', '.join(sorted({t.headline_metric for t in stream}))} (%). Mean ± std over seeds "
+        f"{','.join(map(str, options.seeds))}. "
         "ID = mean of the diagonal, BWT = mean of the strict lower triangle (old steps), FWT = strict upper "
         "triangle (future steps), rel- = each row minus its diagonal (TiC App. F).",
         "",
@@ -113,17 +146,18 @@ def write(runs: list[dict], stream, options, path: Path) -> None:
             f"{cell(row, 'tic_rel_bwt')} | {cell(row, 'tic_rel_fwt')} | {cell(row, 'final_average')} | "
             f"{row['cost']['macs'] / base['cost']['macs']:.2f}x | {run_cost_cells(row['cost'])} |"
         )
-    lines += ["", RUN_COST_NOTE]
+    lines += ["", RUN_COST_NOTE, "", "Claims, each strategy against Sequential of the same seed:", ""]
+    lines += verdict_table(verdicts(runs)) + ["", VERDICT_NOTE]
     lines += ["", "Evaluation matrices (rows: model after step i; columns: eval set of step j; seed mean):", ""]
     for row in rows:
-        lines += [f"**{row['strategy']}**", "", "| after \\ eval | " + " | ".join(names) + " |",
-                  "|---" * (len(names) + 1) + "|"]
-        for label, values in zip(names, row["matrix"], strict=True):
-            lines.append(f"| {label} | " + " | ".join(f"{v:.1f}" for v in values) + " |")
-        lines.append("")
-    path.with_suffix(".md").write_text("\n".join(lines), encoding="utf-8")
-    path.with_suffix(".json").write_text(json.dumps({"summary": rows, "runs": runs}, indent=2) + "\n",
-                                         encoding="utf-8")
+        matrix = {label: dict(zip(names, values, strict=True))
+                  for label, values in zip(names, row["matrix"], strict=True)}
+        lines += [f"**{row['strategy']}**", ""] + score_table("after \\ eval", matrix, baselines) + [""]
+    lines += [BASELINE_NOTE]
+    results_path(prefix, ".md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    results_path(prefix, ".json").write_text(
+        json.dumps({"summary": rows, "runs": runs, "baselines": [vars(b) for b in baselines]}, indent=2) + "\n",
+        encoding="utf-8")
     print("\n".join(lines[:10 + len(rows)]), flush=True)
 
 
@@ -137,21 +171,27 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=4)
     parser.add_argument("--train-per-step", type=int, default=None)
     parser.add_argument("--eval-per-step", type=int, default=200)
-    parser.add_argument("--seeds", default="0")
     parser.add_argument("--patching-validation", type=int, default=24, help="rows per step held out to choose alpha")
-    parser.add_argument("--output", default=str(Path(__file__).parent / "results"))
+    add_stream_arguments(
+        parser, default_output=str(RESULTS / "tic_{stream}"), orders=(),
+        tasks_help="comma-separated step names of --stream (e.g. 2012,2016 for fashion-years), trained in the order "
+                   "given (default: every step in time order; TiC's BWT/FWT read the order as time, so keep it)",
+    )
     options = parser.parse_args()
-    stream = build_stream(options.stream, max_train_per_task=options.train_per_step,
-                          max_eval_per_task=options.eval_per_step)
+    prefix = Path(str(options.output).replace("{stream}", options.stream))
+    try:
+        stream = build_stream(options.stream, max_train_per_task=options.train_per_step,
+                              max_eval_per_task=options.eval_per_step)
+        stream = reorder(stream, options.tasks or stream.task_names)
+    except ValueError as error:
+        parser.error(str(error))
     tokenizer = load_tokenizer()
-    path = Path(options.output) / f"tic_{options.stream}"
-    path.parent.mkdir(parents=True, exist_ok=True)
     runs = []
-    for seed in [int(s) for s in options.seeds.split(",")]:
+    for seed in options.seeds:
         for name in options.strategies.split(","):
-            runs.append(run_strategy(name, seed, stream, tokenizer, options, Path("/tmp/hf_ccl_tic") / options.stream))
+            runs.append(run_strategy(name, seed, stream, tokenizer, options))
             print(f"{name} seed {seed}: {runs[-1]['seconds']:.0f} s", flush=True)
-            write(runs, stream, options, path)
+            write(runs, stream, options, prefix)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,11 @@ def test_task_orders_fixed_given_and_random() -> None:
     assert protocol.task_orders(["random"], fixed, None, 2) == {"random": randoms[2]}  # the seed fixes it
     given = protocol.task_orders(["I", "II", "random"], fixed, ["c", "a"], seed=0)
     assert list(given) == ["given", "random"] and given["given"] == ["c", "a"] and sorted(given["random"]) == ["a", "c"]
+    two = {"I": ["a", "b"]}  # a random order is never a repeat of a fixed order asked for, if another exists
+    assert all(protocol.task_orders(["I", "random"], two, None, seed)["random"] == ["b", "a"] for seed in range(8))
+    assert {tuple(protocol.task_orders(["random"], two, None, seed)["random"]) for seed in range(8)} == {
+        ("a", "b"), ("b", "a")}
+    assert protocol.task_orders(["I", "random"], {"I": ["a"]}, None, 0) == {"I": ["a"], "random": ["a"]}
     with pytest.raises(ValueError, match=r"unknown order\(s\) \['III'\]; valid: I, II, random"):
         protocol.task_orders(["III"], fixed, None, 0)
 
@@ -106,6 +111,11 @@ def test_eval_baseline_of_a_stratified_eval_subset() -> None:
     assert protocol.baseline_cells([baseline, retrieval]) == [
         "| task | classes | eval n | chance | majority |", "|---|---|---|---|---|",
         "| t | 4 | 12 | 25.0 | 33.3 |", "| c | n/a (retrieval) | 5 | n/a | n/a |"]
+
+    assert protocol.score_table("method", {"er": {"t": 50.0, "c": 10.0}, "x": {"t": 25.0}},
+                                [baseline, retrieval]) == [
+        "| method | t | c |", "|---|---|---|", "| chance / majority | 25.0 / 33.3 | n/a |",
+        "| er | 50.0 ± 14.4 | 10.0 ± 13.4 |", "| x | 25.0 ± 12.5 | n/a |"]  # 100 sqrt(.25 / 12), sqrt(.09 / 5)
 
 
 def test_binomial_standard_error_and_score_format() -> None:
