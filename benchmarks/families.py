@@ -65,6 +65,7 @@ from protocol import (
     paired_verdict,
     plasticity,
     results_path,
+    score_table,
     task_orders,
     transfer_over,
     verdict_table,
@@ -326,6 +327,16 @@ def stream_table(stream_name: str, runs: list[dict], refused: dict[tuple, str], 
         ratio = f"{np.mean(ratios):.2f}" if ratios else "-"
         lines.append(f"| {method} | {family} | " + " | ".join(_mean_std([r[k] for r in mine]) for k in KEYS)
                      + f" | {ratio} | {run_cost_cells(mean_run_cost([r['cost'] for r in mine]))} |")
+    finals = {}
+    for method in methods:
+        mine = [r for r in runs if r["method"] == method]
+        if mine:  # each task's score after the last task, by task name (orders permute the columns)
+            finals[method] = {task: float(np.mean([r["R"][-1][r["tasks"].index(task)] for r in mine]))
+                              for task in info["tasks"] if all(task in r["tasks"] for r in mine)}
+    if finals:
+        lines += ["", "Each task's accuracy after the last task (mean over pairs; ± the binomial SE of one run's "
+                  "score on the eval subset):", "",
+                  *score_table("method", finals, [eval_baseline_from(b) for b in info["baselines"]])]
     verdicts = stream_verdicts(runs)
     if verdicts:
         lines += ["", "Against finetune, from paired per-(order, seed) differences (a - b), 95% t-interval:", "",

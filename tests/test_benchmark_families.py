@@ -80,7 +80,7 @@ def _run(method: str, seed: int, last: float, transfer: float) -> dict:
     cost = {"wall_s": 1.0, "train_s": 0.5, "eval_s": 0.3, "methods_s": 0.1, "peak_rss_bytes": 2**20,
             "peak_cuda_bytes": None, "trainable_parameters": 10, "method_state_bytes": 0, "samples": 8, "macs": 1e6}
     return {"stream": "pacs-domains", "method": method, "seed": seed, "order": "I", "tasks": ["photo", "sketch"],
-            "last": last, "average": last, "transfer": transfer, "transfer_above": float("nan"), "plasticity": last,
+            "R": [[last, transfer], [last - 1, last + 1]], "last": last, "average": last, "transfer": transfer, "transfer_above": float("nan"), "plasticity": last,
             "forgetting": 0.0, "control_last": 5.0, "zero_shot": 20.0, "zero_shot_transfer": 15.0,
             "zero_shot_transfer_above": float("nan"), "median_step_s": 0.1 * (2 if method == "er" else 1),
             "cost": cost}
@@ -103,8 +103,9 @@ def test_the_table_lists_runs_refusals_failures_and_verdicts_against_finetune():
     assert "| gem | gradient projection | **failed** in 1 of 1 runs: ValueError: boom |" in text
     assert "cannot run here: no \\| pipes |" in text
     header = next(line for line in lines if line.startswith("| method | family | Last"))
-    rows = [line for line in lines if line.startswith(("| er |", "| gem |", "| cllclip |"))]
+    rows = [line for line in lines if line.startswith(("| er | replay", "| gem |", "| cllclip |"))]
     assert len(rows) == 3 and all(line.count(" |") == header.count(" |") for line in rows)  # every column there
+    assert "| chance / majority | 14.3 / 18.8 | 14.3 / 18.8 |\n| finetune | 30.0 ± 11.5 | 32.0 ± 11.7 |" in text
     assert "| er's Last is above finetune's | +10.00 | [+10.00, +10.00] | 3 | holds |" in text
     assert "| er keeps Transfer better than finetune | +0.00 |" in text
 
