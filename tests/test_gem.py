@@ -533,3 +533,18 @@ def test_two_processes_keep_identical_parameters(tmp_path):
         assert first["projected_steps"] > 0, f"{name} never projected: the check would be vacuous"
         assert first == second, f"{name}: ranks disagree"
 
+
+
+@pytest.mark.parametrize("method", ["gem", "agem"])
+def test_memories_of_earlier_tasks_train_under_the_class_prompt_cross_entropy(tmp_path, method):
+    """`classification_loss: cross_entropy` through the CLI: the memories of task 0 are collated in task 1 with
+    their own task's class prompts (they once failed: 'no class prompt of the task(s)')."""
+    from hf_ccl.cli import main
+
+    assert main(["train", "--config", "digits", f"methods=[{method}]", "classification_loss=cross_entropy",
+                 "model.config.hidden_size=32", "model.config.num_layers=1", "stream_args.max_train_per_task=16",
+                 "stream_args.max_eval_per_task=8", "training.num_train_epochs=1", "training.warmup_steps=0",
+                 "training.per_device_train_batch_size=8", f"output_dir={tmp_path}", "progress=false",
+                 "stream_args.label_space=task"]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert len(results["rows"]) >= 5

@@ -288,6 +288,7 @@ class EpisodicMemoryMethod(ContinualMethod):
     }
     conflicts = {"gradient_constraint": "rewrites each gradient under constraints from an episodic memory: use one"}
     trains_pair_tasks = True  # on pair tasks: the memories' pair losses, constraining the current pair's heads
+    trains_on_past_tasks = True  # the memories' loss: under cross-entropy, each row among its own task's classes
     runs_after = {"learner_heads": "constrains the gradients of the learner heads, which learner_heads attaches at "
                   "task start"}
 
