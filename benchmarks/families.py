@@ -52,14 +52,15 @@ from typing import Any
 import numpy as np
 import torch
 from languages import StepTimes  # benchmarks/ is on the path of `python benchmarks/families.py`
-from mtil import ControlRetrieval, control_task
 from mtil import method_args as mtil_method_args
 from pretrain_start import DEFAULT_CACHE, MODEL, RECIPE, ensure_start_model, load_start_model
 from protocol import (
+    ControlRetrieval,
     TaskBaseline,
     add_stream_arguments,
     baseline_cells,
     binomial_se,
+    control_task,
     eval_baseline,
     format_score,
     paired_verdict,
@@ -485,7 +486,7 @@ def parser() -> argparse.ArgumentParser:
                         help="the starting model's tiny_clip sizes as JSON (default pretrain_start.MODEL)")
     parser.add_argument("--start-epochs", type=_positive(float), default=RECIPE["epochs"],
                         help="the starting model's pretraining epochs")
-    parser.add_argument("--start-cache-dir", type=Path, default=DEFAULT_CACHE,
+    parser.add_argument("--start-cache", type=Path, default=DEFAULT_CACHE,
                         help="where the starting model is cached, in a folder named by a hash of its sizes and recipe "
                              "(default %(default)s, pretrain_start's)")
     add_stream_arguments(parser, default_output=str(Path(__file__).parent / "results" / "families"),
@@ -535,7 +536,7 @@ def stream_tasks(name: str, options) -> list[str] | None:
 def starting_point(options) -> tuple[Any, dict, int]:
     """The starting model, its record (sizes, recipe, control) and its image size."""
     recipe = {**RECIPE, "epochs": options.start_epochs}
-    folder = ensure_start_model(options.start_model, recipe, options.start_cache_dir)
+    folder = ensure_start_model(options.start_model, recipe, options.start_cache)
     return load_start_model(folder), {"model": options.start_model, "recipe": recipe, "folder": str(folder)}, \
         options.start_model.get("image_size", TINY_CLIP["image_size"])
 

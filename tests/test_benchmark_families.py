@@ -115,7 +115,7 @@ def test_a_smoke_run_writes_the_table_the_json_and_the_plot(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "families.py"), "--smoke", "--methods", "finetune,er,learner_heads",
-         "--streams", "pacs-domains", "--start-cache-dir", str(tmp_path / "cache"), "--runs-dir", str(tmp_path / "r"),
+         "--streams", "pacs-domains", "--start-cache", str(tmp_path / "cache"), "--runs-dir", str(tmp_path / "r"),
          "--output", str(output)], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads(output.with_suffix(".json").read_text())
