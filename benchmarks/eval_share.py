@@ -41,8 +41,6 @@ from hf_ccl.continual import ContinualLearner
 from hf_ccl.run import run
 
 RESULTS = Path(__file__).resolve().parent / "results"
-OUT_JSON = RESULTS / "eval_share.json"
-OUT_MD = RESULTS / "eval_share.md"
 GOAL = 0.20
 
 
@@ -166,7 +164,7 @@ def _table(entry: dict[str, Any]) -> list[str]:
     return lines
 
 
-def write_markdown(entries: list[dict[str, Any]]) -> None:
+def write_markdown(entries: list[dict[str, Any]], path: Path) -> None:
     lines = [
         "# Evaluation's share of a continual run", "",
         "Measured by `benchmarks/eval_share.py`: wall time of `hf_ccl.run.run` split into training (each task's "
@@ -182,7 +180,7 @@ def write_markdown(entries: list[dict[str, Any]]) -> None:
         lines += _table(entry) + [""]
         if entry.get("comment"):
             lines += [entry["comment"], ""]
-    OUT_MD.write_text("\n".join(lines), encoding="utf-8")
+    path.write_text("\n".join(lines), encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -194,6 +192,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="A config override for every run (e.g. eval_every=2).")
     parser.add_argument("--comment", default="", help="A note printed under this label's table.")
+    parser.add_argument("--output", type=Path, default=RESULTS / "eval_share",
+                        help="path prefix of the results files (.json, .md); default %(default)s")
     args = parser.parse_args(argv)
     chosen = [run_.name for run_ in RUNS] if args.runs == "all" else args.runs.split(",")
     unknown = sorted(set(chosen) - {run_.name for run_ in RUNS})
@@ -214,11 +214,12 @@ def main(argv: list[str] | None = None) -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} threads, torch {torch.__version__}",
         "load_before": load_before, "load_after": _load_average(), "comment": args.comment, "runs": measured,
     }
-    entries = json.loads(OUT_JSON.read_text()) if OUT_JSON.exists() else []
+    out_json = args.output.with_name(args.output.name + ".json")
+    entries = json.loads(out_json.read_text()) if out_json.exists() else []
     entries = [item for item in entries if item["label"] != args.label] + [entry]
     entries.sort(key=lambda item: item["label"] != "before")  # "before" first, then in the order measured
-    OUT_JSON.write_text(json.dumps(entries, indent=2) + "\n", encoding="utf-8")
-    write_markdown(entries)
+    out_json.write_text(json.dumps(entries, indent=2) + "\n", encoding="utf-8")
+    write_markdown(entries, args.output.with_name(args.output.name + ".md"))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import argparse
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -152,6 +153,7 @@ def main() -> None:
     parser.add_argument("--families", default="clip", help="Comma-separated families (hf_ccl.families.FAMILIES).")
     parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "framework_overhead.md"))
     args = parser.parse_args()
+    runs_dir = tempfile.mkdtemp(prefix="hf_ccl_overhead_")  # this run's own folder, never a shared /tmp path
 
     torch.set_num_threads(torch.get_num_threads())
     steady = steady_allocator()  # else the first runs fault their activations in at every step (method_speed.py)
@@ -166,14 +168,14 @@ def main() -> None:
                                     padding=model.text_padding, max_length=min(77, model.max_text_positions))
             rounds: dict[str, list[list[float]]] = {"plain": [], "hf_ccl": []}
             time_plain_loop(size, dataset, collator, tokenizer, WARMUP + 2, family)  # untimed warm-up of both
-            time_hf_ccl(size, dataset, collator, tokenizer, WARMUP + 2, "/tmp/hf_ccl_bench", family)
+            time_hf_ccl(size, dataset, collator, tokenizer, WARMUP + 2, runs_dir, family)
             for round_index in range(args.rounds):  # alternate which goes first
                 for loop in ("plain", "hf_ccl") if round_index % 2 == 0 else ("hf_ccl", "plain"):
                     if loop == "plain":
                         rounds[loop].append(time_plain_loop(size, dataset, collator, tokenizer, args.steps, family))
                     else:
                         rounds[loop].append(time_hf_ccl(size, dataset, collator, tokenizer, args.steps,
-                                                        "/tmp/hf_ccl_bench", family))
+                                                        runs_dir, family))
             row = summarize(family, size, rounds)
             rows.append(row)
             print(f"{family} {size}: plain {row['plain'] * 1e3:.1f} ms/step, hf_ccl {row['hf_ccl'] * 1e3:.1f} ms/step, "

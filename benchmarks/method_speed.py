@@ -35,9 +35,11 @@ import ctypes.util
 import json
 import platform
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -57,6 +59,12 @@ SIZES = {
     "tiny": (64, 2, 2, 8, 32, 64, 2, 2, 64),
 }
 
+
+
+@cache
+def runs_dir() -> str:
+    """This process's own folder for the runs' output_dir (never a fixed /tmp path another user's run shares)."""
+    return tempfile.mkdtemp(prefix="hf_ccl_method_speed_")
 
 @dataclass
 class Candidate:
@@ -177,7 +185,7 @@ def run_method(candidate: Candidate, config: CLIPConfig, stream, tokenizer, proc
                first_task_epochs: float) -> tuple[SecondTaskTimer, ContinualLearner]:
     timer = SecondTaskTimer()
     args = ContinualArguments(
-        output_dir="/tmp/hf_ccl_method_speed", training=training, evaluate_initial=False, save_checkpoints=False,
+        output_dir=runs_dir(), training=training, evaluate_initial=False, save_checkpoints=False,
         progress=False, first_task_epochs=first_task_epochs, overwrite_output_dir=True,
     )
     learner = ContinualLearner(new_model(config), stream, build_methods(candidate.methods, candidate.method_args),
