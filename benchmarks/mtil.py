@@ -200,6 +200,12 @@ def write(runs: list[dict], baselines: list, start: dict, options, command: str,
     lines += ["", RUN_COST_NOTE, "", "Claims, from paired per-(order, seed) differences (a - b; forgetting: b - a), "
               "95% t-interval:", "", *verdict_table(verdicts(runs)), ""]
     names = [b.task for b in baselines]
+    finals = {"zero-shot model": start["zero_shot"]}
+    for method in methods:
+        last = [dict(zip(r["tasks"], r["R"][-1], strict=True)) for r in runs if r["method"] == method]
+        finals[method] = {task: float(np.mean([row[task] for row in last])) for task in names}
+    lines += ["Accuracy after the last task (mean over pairs; ± the binomial SE of one run's score on the eval rows):",
+              "", *score_table("method", finals, baselines), ""]
     lines += ["Per task (mean over pairs): Transfer / Avg. / Last", "",
               "| method | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for method in methods:
@@ -235,6 +241,20 @@ def write(runs: list[dict], baselines: list, start: dict, options, command: str,
                                          encoding="utf-8")
 
 
+def summarize(options) -> None:
+    """Rewrite the tables from the JSON of an earlier call (same --output), keeping its command line."""
+    saved = json.loads(results_path(options.output, ".json").read_text(encoding="utf-8"))
+    old = results_path(options.output, ".md").read_text(encoding="utf-8")
+    command = old.split("Command: `", 1)[1].split("`", 1)[0]
+    names = list(saved["start"]["zero_shot"])
+    reference = build_stream("mtil-heldout", tasks=tuple(options.tasks or MTIL_HELDOUT_ORDERS["I"]),
+                             max_train_per_task=1, max_eval_per_task=options.eval_per_task)
+    baselines = [eval_baseline(task) for task in reference]
+    if [b.task for b in baselines] != names:
+        raise SystemExit(f"mtil.py: error: --tasks gives {[b.task for b in baselines]}, the runs have {names}")
+    write(saved["runs"], baselines, saved["start"], options, command, options.output)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", default=METHODS)
@@ -257,8 +277,13 @@ def main() -> None:
     parser.add_argument("--start-epochs", type=float, default=RECIPE["epochs"],
                         help="the starting model's pretraining epochs")
     parser.add_argument("--start-cache", type=Path, default=DEFAULT_CACHE, help="where starting models are cached")
+    parser.add_argument("--summarize-only", action="store_true",
+                        help="rewrite <output>.md from <output>.json (the runs of an earlier call) without training")
     add_stream_arguments(parser, default_output=str(Path(__file__).parent / "results" / "mtil_heldout"))
     options = parser.parse_args()
+    if options.summarize_only:
+        summarize(options)
+        return
     command = "python benchmarks/mtil.py " + " ".join(
         f"--{key.replace('_', '-')} " + (",".join(map(str, value)) if isinstance(value, list) else
                                          f"'{json.dumps(value)}'" if isinstance(value, dict) else str(value))
