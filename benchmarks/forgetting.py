@@ -9,6 +9,11 @@ the median step time relative to `finetune` from the same run; each method's fin
 the majority-class rate and its standard error (`protocol.py`); and verdicts on "forgets less than finetune" and
 "ends higher than finetune", paired by (order, seed). Plot: the first trained task's score after every task.
 
+`--size start` starts every run from the benchmarks' cached starting model (`pretrain_start.py`) instead, every task
+trained `--epochs`. A method takes options in its spec (`modx:alpha=5`, `+` joins methods: `modx:alpha=5+er`), so a
+sweep is a list of specs. Every run also reports the control: the model's Flickr8k-en test retrieval (R_mean on
+`--control-examples` images) after the last task, and whether a method keeps it better than finetune.
+
     python benchmarks/forgetting.py --stream flickr8k-random5 [--methods finetune,modx,...] [--order I,random]
         [--tasks ...] [--seeds 0,1,2] [--output PREFIX] [--runs-dir DIR]
 
