@@ -1,5 +1,5 @@
 """benchmarks/families.py, one table of every family on the same streams: which methods it compares (and why not the
-others), its options, the table's rows for runs, refusals and failures, and a smoke run end to end (about 12 s)."""
+others), its options, the table's rows for runs, refusals and failures, and a smoke run end to end (about 12 s, marked slow)."""
 
 from __future__ import annotations
 
@@ -110,6 +110,7 @@ def test_the_table_lists_runs_refusals_failures_and_verdicts_against_finetune():
     assert "| er keeps Transfer better than finetune | +0.00 |" in text
 
 
+@pytest.mark.slow
 def test_a_smoke_run_writes_the_table_the_json_and_the_plot(tmp_path):
     output = tmp_path / "out" / "families"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
