@@ -57,9 +57,9 @@ from pretrain_start import DEFAULT_CACHE, MODEL, RECIPE, ensure_start_model, loa
 from protocol import (
     ControlRetrieval,
     TaskBaseline,
+    above_majority,
     add_stream_arguments,
     baseline_cells,
-    binomial_se,
     control_task,
     eval_baseline,
     format_score,
@@ -557,7 +557,7 @@ def main(argv: list[str] | None = None) -> None:
         for task in reference:
             b = eval_baseline(task)
             score = evaluate_task(start_model, task, processor, tokenizer)["accuracy"]
-            above_by_task[(name, task.name)] = score - 2 * binomial_se(score, b.n) > b.majority
+            above_by_task[(name, task.name)] = above_majority(score, b)
             baselines.append({**vars(b), "score": score})
         start["streams"][name] = {"tasks": [t.name for t in reference], "baselines": baselines,
                                   "above": [above_by_task[(name, t.name)] for t in reference]}

@@ -40,9 +40,9 @@ from languages import StepTimes  # benchmarks/ is on the path of `python benchma
 from pretrain_start import DEFAULT_CACHE, MODEL, RECIPE, ensure_start_model, load_start_model
 from protocol import (
     ControlRetrieval,
+    above_majority,
     add_stream_arguments,
     baseline_cells,
-    binomial_se,
     control_task,
     eval_baseline,
     paired_verdict,
@@ -129,12 +129,6 @@ def _mean_std(values: list[float]) -> str:
     if not values:
         return "-"
     return f"{np.mean(values):.1f} ± {np.std(values):.1f}" if len(values) > 1 else f"{values[0]:.1f}"
-
-
-def _by_task(run: dict, key: str = "R") -> dict[str, list[float]]:
-    """A run's results matrix columns keyed by task name (orders permute them)."""
-    matrix = np.array(run[key])
-    return {task: matrix[..., j].tolist() for j, task in enumerate(run["tasks"])}
 
 
 def verdicts(runs: list[dict]) -> list:
@@ -301,7 +295,7 @@ def main() -> None:
         initial[task.name] = evaluate_task(start_model, task, load_image_processor(image_size),
                                            tokenizer)["accuracy"]
     baselines = [eval_baseline(task) for task in reference]
-    above_by_name = {b.task: initial[b.task] - 2 * binomial_se(initial[b.task], b.n) > b.majority for b in baselines}
+    above_by_name = {b.task: above_majority(initial[b.task], b) for b in baselines}
     start = {"zero_shot": initial, "above": [above_by_name[b.task] for b in baselines],
              "control": evaluate_task(start_model, control, load_image_processor(image_size),
                                       tokenizer)["R_mean"]}

@@ -29,15 +29,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from datasets import concatenate_datasets
+from protocol import above_majority, binomial_se, eval_baseline
 
 from hf_ccl.continual import ContinualArguments, ContinualLearner
 from hf_ccl.data import build_stream, load_image_processor, load_tokenizer
@@ -150,14 +149,12 @@ def zero_shot_rows(model: Any, image_size: int, tokenizer: Any) -> list[dict[str
     rows = []
     for group, tasks in (("held out", [*held, *pacs]), ("seen in pretraining", seen)):
         for task in tasks:
-            labels = np.asarray(task.eval.with_format("arrow")["label"].to_pylist())
-            n, classes = len(labels), len(task.class_names)
-            majority = float(100.0 * np.bincount(labels, minlength=classes).max() / n)
+            baseline = eval_baseline(task)
             accuracy = evaluate_task(model, task, processor, tokenizer)["accuracy"]
-            se = 100.0 * math.sqrt(accuracy / 100 * (1 - accuracy / 100) / n)
-            rows.append({"task": task.name, "group": group, "n": n, "classes": classes, "chance": 100.0 / classes,
-                         "majority": majority, "accuracy": accuracy, "se": se,
-                         "above_majority": bool(accuracy - 2 * se > majority)})
+            rows.append({"task": task.name, "group": group, "n": baseline.n, "classes": baseline.n_classes,
+                         "chance": baseline.chance, "majority": baseline.majority, "accuracy": accuracy,
+                         "se": binomial_se(accuracy, baseline.n),
+                         "above_majority": above_majority(accuracy, baseline)})
     return rows
 
 

@@ -219,6 +219,11 @@ def binomial_se(percent: float, n: int) -> float:
     return 100.0 * math.sqrt(p * (1.0 - p) / int(n))
 
 
+def above_majority(percent: float, baseline: TaskBaseline) -> bool:
+    """Whether a score (%) on the task's eval rows beats its majority-class rate by more than 2 binomial SE."""
+    return bool(percent - 2 * binomial_se(percent, baseline.n) > baseline.majority)
+
+
 def format_score(percent: float, n: int | None = None, digits: int = 1) -> str:
     """`"41.2 ± 2.8"`: the score and, when `n` is given, its binomial standard error; `"n/a"` for NaN."""
     if percent is None or math.isnan(percent):

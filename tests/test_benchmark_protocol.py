@@ -196,3 +196,9 @@ def test_plasticity_and_transfer_over_columns() -> None:
     assert math.isnan(protocol.transfer_over(R, [0])) and math.isnan(protocol.transfer_over(R, []))
     with pytest.raises(ValueError, match=r"columns \[3\] are outside the 3 tasks"):
         protocol.transfer_over(R, [3])
+
+
+def test_above_majority_needs_two_standard_errors():
+    baseline = protocol.TaskBaseline("pacs-photo", 255, 7, 100 / 7, 16.9)
+    assert not protocol.above_majority(22.0, baseline)  # 22.0 - 2 x 2.59 = 16.8 < 16.9
+    assert protocol.above_majority(23.0, baseline)  # 23.0 - 2 x 2.64 = 17.7
