@@ -24,11 +24,11 @@ from typing import Any
 import jinja2
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from . import __version__
 from .callbacks import StreamControl, StreamState, TaskCallback
 from .compute import cost_table, task_records
 from .evaluation.matrix import DERIVED_DESCRIPTIONS, INITIAL_LABEL, RESULTS_JSON, ResultsMatrix
 from .processors import AUTO_MAP_NOTE
+from .version import __version__
 
 logger = logging.getLogger(__name__)
 

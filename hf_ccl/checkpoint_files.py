@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from . import __version__
+from .version import __version__
 
 logger = logging.getLogger(__name__)
 

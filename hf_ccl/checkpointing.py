@@ -24,7 +24,6 @@ from safetensors.torch import load_file
 from transformers import PretrainedConfig, PreTrainedTokenizerBase, TrainingArguments
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
-from . import __version__
 from .checkpoint_files import (
     MANIFEST,
     CheckpointError,
@@ -45,6 +44,7 @@ from .resume_settings import UNCOMPARED_TRAINING, allowed, describe_diff, settin
 from .tokenization import position_table_path, resize_position_embeddings
 from .trainer import MID_TASK_STATE
 from .validation import ConfigError
+from .version import __version__
 
 if TYPE_CHECKING:
     from .continual import ContinualLearner

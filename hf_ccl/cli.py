@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from . import __version__
 from .config import (
     available_recipes,
     config_keys_help,
@@ -35,6 +34,7 @@ from .config import (
     where_given,
 )
 from .validation import ConfigError, check_no_tokens, redact_secrets
+from .version import __version__
 
 if TYPE_CHECKING:
     from .config import RunConfig
