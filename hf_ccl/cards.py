@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path, PurePath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
@@ -29,6 +29,9 @@ from .compute import cost_table, task_records
 from .evaluation.matrix import DERIVED_DESCRIPTIONS, INITIAL_LABEL, RESULTS_JSON, ResultsMatrix
 from .processors import AUTO_MAP_NOTE
 from .version import __version__
+
+if TYPE_CHECKING:
+    from .continual import ContinualArguments
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +223,9 @@ def _is_local_path(source: str) -> bool:
 
 def is_hub_id(name: str | None) -> bool:
     """True for a Hub repository id (`name` or `namespace/name`) that is not a local path."""
-    return bool(name) and _HUB_ID.match(name) is not None and ".." not in name and not _is_local_path(name)
+    if not name:
+        return False
+    return _HUB_ID.match(name) is not None and ".." not in name and not _is_local_path(name)
 
 
 def _source_name(source: str) -> str:
@@ -540,6 +545,6 @@ def write_model_card(checkpoint_dir: str | Path, repo_id: str | None = None) -> 
 class ModelCardCallback(TaskCallback):
     """Writes the model card (`README.md`, and the heatmap) into every task checkpoint, from its files."""
 
-    def on_save(self, args: Any, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
+    def on_save(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
         if kwargs["task_folder"]:
             write_model_card(kwargs["folder"], repo_id=args.hub_model_id)

@@ -32,7 +32,7 @@ train the same prompt at the same index among different classes), `ClassPrompts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,7 +116,9 @@ class ClassPrompts:
             raise ValueError(f"class_scope 'seen': two classes of one task of {[task.name for task in tasks]} are one "
                              "class through prompts that other tasks share with both; give them templates that tell "
                              "them apart")
-        names, class_task, texts_of = [], [], []
+        names: list[str] = []
+        class_task: list[int] = []
+        texts_of: list[dict[str, None]] = []  # a class's prompt texts, in first-seen order
         for (position, _, name, texts), column in zip(entries, columns, strict=True):
             if column == len(names):
                 names.append(name)
@@ -143,6 +145,8 @@ class ClassPrompts:
         """The class of each drawn caption, given the row's `label` (its class index in its own task; None: the
         caption alone, enough unless a prompt of several tasks is scored differently). A caption that is no class
         prompt of these tasks is an error."""
+        table: Mapping[Any, int]  # prompt text -> class, or (prompt text, label) -> class
+        keys: list[Any]
         if row_labels is None:
             table, keys = self.by_text, list(texts)
         else:
@@ -255,7 +259,8 @@ def _lookups(entries: Sequence[tuple[int, int, str, tuple[str, ...]]], columns: 
     by_text: dict[str, int] = {}
     for (_, index, _, texts), column in zip(entries, columns, strict=True):
         for text in texts:
-            for table, key in ((lookup, (text, index)), (by_text, text)):
+            tables: tuple[tuple[dict[Any, int], Any], ...] = ((lookup, (text, index)), (by_text, text))
+            for table, key in tables:
                 held = table.setdefault(key, column)
                 if held != _AMBIGUOUS and signatures[held] != signatures[column]:
                     table[key] = _AMBIGUOUS

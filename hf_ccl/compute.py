@@ -49,11 +49,14 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .callbacks import StreamControl, StreamState, TaskCallback
+
+if TYPE_CHECKING:
+    from .continual import ContinualArguments
 from .distributed import all_reduce_sum_, world_size
 from .files import write_text_atomic
 
@@ -250,7 +253,7 @@ def mean_run_cost(costs: list[dict[str, float | None]]) -> dict[str, float | Non
     """Key-wise mean of `run_cost` dicts (over seeds); None where no run recorded the key."""
     mean: dict[str, float | None] = {}
     for key in costs[0]:
-        values = [cost[key] for cost in costs if cost.get(key) is not None]
+        values = [value for cost in costs if (value := cost.get(key)) is not None]
         mean[key] = sum(values) / len(values) if values else None
     return mean
 
@@ -258,9 +261,10 @@ def mean_run_cost(costs: list[dict[str, float | None]]) -> dict[str, float | Non
 def run_cost_cells(cost: dict[str, float | None]) -> str:
     """The `RUN_COST_HEADER` cells of one table row, joined by ` | ` (peak CUDA replaces peak RSS where recorded)."""
     peak = cost.get("peak_cuda_bytes") or cost.get("peak_rss_bytes")
+    trainable = cost.get("trainable_parameters")
     cells = [f"{cost[key]:.1f}" for key in ("wall_s", "train_s", "eval_s", "methods_s")]
     cells += [format_bytes(peak) if peak is not None else "-",
-              format_count(int(cost["trainable_parameters"])) if cost.get("trainable_parameters") is not None else "-",
+              format_count(int(trainable)) if trainable is not None else "-",
               format_bytes(cost["method_state_bytes"] or 0), f"{cost['samples']:,.0f}", f"{cost['macs']:.2e}"]
     return " | ".join(cells)
 
@@ -420,10 +424,10 @@ class ComputeCallback(TaskCallback):
         self._launch_pending = False  # this fit()'s start-up is not recorded yet
         self._parameters: tuple[int, int] = (0, 0)
 
-    def on_stream_begin(self, args: Any, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
+    def on_stream_begin(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
         self._launch_pending = True
 
-    def on_task_begin(self, args: Any, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
+    def on_task_begin(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
         """The launch's start-up and initial evaluation, at its first task (a resumed finished run trains none and
         adds none: its files stay those of the last task checkpoint), then a new peak-memory window."""
         if self._launch_pending:
@@ -435,11 +439,11 @@ class ComputeCallback(TaskCallback):
             self._launch_pending = False
         reset_peak_memory()
 
-    def on_train_begin(self, args: Any, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
+    def on_train_begin(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
         learner = kwargs["learner"]
         self._parameters = trainable_parameter_count(learner.model, learner.methods)
 
-    def on_task_trained(self, args: Any, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
+    def on_task_trained(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
         trainer = kwargs["trainer"]
         samples, macs, measured = trained_counts(trainer)
         record = TaskCompute(kwargs["context"].task.name, trainer.state.global_step,
@@ -449,19 +453,19 @@ class ComputeCallback(TaskCallback):
         record.seconds = kwargs["context"].phase_seconds  # the loop's clock: later phases land here too
         self.records.append(record)
 
-    def on_task_end(self, args: Any, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
+    def on_task_end(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
         learner, record = kwargs["learner"], self.records[-1]
         record.peak_rss_bytes, record.peak_cuda_bytes = peak_memory()
         record.method_state_bytes = {method.name: state_bytes(method.state_dict()) for method in learner.methods}
         learner.results.cost = [asdict(record) for record in self.records]
 
-    def on_checkpoint_saved(self, args: Any, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
+    def on_checkpoint_saved(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
         kwargs["learner"].results.cost = [asdict(record) for record in self.records]  # with the checkpoint's time
 
-    def on_save(self, args: Any, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
+    def on_save(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
         save_compute(self.records, kwargs["folder"], self.run)
 
-    def on_restore(self, args: Any, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
+    def on_restore(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
         self.records, self.run = load_compute(kwargs["folder"])
         learner = kwargs["learner"]
         learner.results.cost = [asdict(record) for record in self.records]

@@ -105,8 +105,9 @@ def check_distributed_trainer(args: Any) -> None:
     processes = launched_processes()
     if processes <= 1 or (args.parallel_mode == ParallelMode.DISTRIBUTED and args.world_size == processes):
         return
-    if torch.accelerator.is_available():
-        fix = (f"launch them on {torch.accelerator.current_accelerator().type} devices that accelerate runs DDP on "
+    device = torch.accelerator.current_accelerator(check_available=True)
+    if device is not None:
+        fix = (f"launch them on {device.type} devices that accelerate runs DDP on "
                "(accelerate launch --multi_gpu, torchrun), or run one process")
     else:  # hf_ccl sets use_cpu itself (`launch_defaults`): it was set to false
         fix = "remove training.use_cpu=false (several processes on a machine without a GPU train on the CPU, gloo)"
@@ -137,8 +138,9 @@ def _shards(loader: Any, dataset: Any) -> int:
         return int(loader.state.num_processes)
     for part in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None),
                  getattr(loader, "dataset", None)):
-        if getattr(part, "num_processes", 1) > 1:  # BatchSamplerShard, IterableDatasetShard
-            return int(part.num_processes)
+        processes = getattr(part, "num_processes", 1)
+        if processes > 1:  # BatchSamplerShard, IterableDatasetShard
+            return int(processes)
     inner = getattr(loader, "dataset", None)
     distributed = getattr(inner, "_distributed", None)  # datasets' split_dataset_by_node
     if distributed is not None:

@@ -113,7 +113,12 @@ class LearnerHeads(nn.Module):
             if reference is not None:
                 head.to(device=reference.device, dtype=reference.dtype)
             self.heads[modality] = head
-        return self.heads[modality]
+        return self._head(modality)
+
+    def _head(self, modality: str) -> nn.Linear:
+        head = self.heads[modality]
+        assert isinstance(head, nn.Linear)  # only `ensure` adds heads
+        return head
 
     def head_output(self, modality: str, features: torch.Tensor) -> torch.Tensor:
         """z^m = W^m z*_m (Alg. 2 l.1) for row features [n, dim]."""
@@ -155,5 +160,5 @@ class LearnerHeads(nn.Module):
                 raise KeyError(f"no learner head for modality {modality!r}; heads: {sorted(self.heads)}")
             if projection.shape[0] != self.dim:
                 raise ValueError(f"a projection with {projection.shape[0]} outputs; the heads expect {self.dim}")
-            folded.append(self.heads[modality].weight.detach().to(projection) @ projection)
+            folded.append(self._head(modality).weight.detach().to(projection) @ projection)
         return folded[0], folded[1]

@@ -24,16 +24,19 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx2
 from huggingface_hub import HfApi, snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 from huggingface_hub.utils import _http as hub_http
 
-from .callbacks import TaskCallback
+from .callbacks import StreamControl, StreamState, TaskCallback
 from .checkpoint_files import MANIFEST, read_manifest, verify_checkpoint
 from .distributed import is_main_process
+
+if TYPE_CHECKING:
+    from .continual import ContinualArguments
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +120,7 @@ class PushReport:
         pushed = [r for r in self.records if r.pushed]
         lines = [f"Hub pushes to {self.repo_id}: {len(pushed)}/{len(self.records)} task revisions pushed"]
         for record in self.records:
-            state = f"commit {record.commit[:10]}" if record.pushed else f"FAILED ({record.error})"
+            state = f"commit {record.commit[:10]}" if record.commit is not None else f"FAILED ({record.error})"
             lines.append(f"  task-{record.task_index}: {state}, {record.attempts} attempt(s), {record.seconds:.1f} s")
         return "\n".join(lines)
 
@@ -345,17 +348,17 @@ class HubPushCallback(TaskCallback):
         self.pusher: HubPusher | None = None
         self.report: PushReport | None = None
 
-    def on_stream_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_stream_begin(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
         self.report = None
         if args.hub_model_id is not None and is_main_process():
             self.pusher = HubPusher(args.hub_model_id, private=args.hub_private_repo, timeout=args.hub_timeout,
                                     retries=args.hub_retries, backoff=args.hub_retry_backoff)
 
-    def on_checkpoint_saved(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_checkpoint_saved(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
         if self.pusher is not None:
             self.pusher.push(kwargs["folder"], state.task_index)
 
-    def on_stream_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_stream_end(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
         """Even when a task failed, the finished tasks' pushes complete (bounded by timeouts and retries)."""
         if self.pusher is None:
             return

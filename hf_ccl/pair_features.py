@@ -14,16 +14,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from datasets import Dataset
-from transformers import CLIPModel
 
 from .data.task import Task, TaskStream
 from .evaluation.encode import encode_images, encode_texts
+
+if TYPE_CHECKING:
+    from .modeling import ContinualDualEncoder
 
 #: The columns of an encoded pair task's splits: row i of both is pair i.
 FEATURE_COLUMNS = ("features_a", "features_b")
@@ -51,7 +53,7 @@ class CLIPImageEncoder:
     """CLIP's vision tower and `visual_projection`, frozen: z* = normalize(P_v pool(x)) (spec §2.6), the input
     `fold_into_clip` assumes."""
 
-    def __init__(self, clip: CLIPModel, image_processor: Any, batch_size: int = 256, normalize: bool = True):
+    def __init__(self, clip: ContinualDualEncoder, image_processor: Any, batch_size: int = 256, normalize: bool = True):
         self.clip, self.image_processor = clip, image_processor
         self.batch_size, self.normalize = batch_size, normalize
         self.dim = int(clip.embed_dim)
@@ -67,7 +69,7 @@ class CLIPTextEncoder:
 
     def __init__(
         self,
-        clip: CLIPModel,
+        clip: ContinualDualEncoder,
         tokenizer: Any,
         batch_size: int = 512,
         max_length: int | None = None,
@@ -127,7 +129,7 @@ class CallableEncoder:
 
 
 def pair_encoders(
-    clip: CLIPModel,
+    clip: ContinualDualEncoder,
     image_processor: Any,
     tokenizer: Any,
     modalities: Sequence[str],
@@ -168,6 +170,7 @@ def encode_pair_task(task: Task, encoders: Mapping[str, ModalityEncoder]) -> Tas
     """`task` with both splits replaced by their frozen features (`FEATURE_COLUMNS`, torch format)."""
     if task.kind != "pair" or is_encoded(task):
         return task
+    assert task.modalities is not None and task.columns is not None  # a pair task names both
     splits = {}
     for split_name in ("train", "eval"):
         split = getattr(task, split_name)

@@ -47,7 +47,10 @@ SHIFTED_EVENTS = (
 
 def integration_names(report_to: str | Sequence[str] | None) -> list[str]:
     """`training.report_to` resolved as TrainingArguments resolves it ("all", "none", one name or a list)."""
-    return list(TrainingArguments(output_dir="unused", report_to="none" if report_to is None else report_to).report_to)
+    if report_to is not None and not isinstance(report_to, str):
+        report_to = list(report_to)
+    resolved = TrainingArguments(output_dir="unused", report_to="none" if report_to is None else report_to).report_to
+    return [resolved] if isinstance(resolved, str) else list(resolved or ())
 
 
 def reporting_callbacks(report_to: str | Sequence[str] | None) -> list[TrainerCallback]:
@@ -116,8 +119,8 @@ class StreamLogger(TrainerCallback):
         if not self.started:
             self._pending.append((logs, step))
             return
-        self._call("on_log", self._args_view, self._state_at(self._state, step), TrainerControl(),
-                   logs=dict(logs), **self._objects)
+        args, state = self._seen()
+        self._call("on_log", args, self._state_at(state, step), TrainerControl(), logs=dict(logs), **self._objects)
 
     def end(self, step: int, model: Any = None) -> None:
         """The stream's `on_train_end` at global step `step` (closes TensorBoard writers, ends MLflow, DVCLive and
@@ -125,7 +128,8 @@ class StreamLogger(TrainerCallback):
         if not (self.active and self.started):
             return
         objects = {**self._objects, **({"model": model} if model is not None else {})}
-        self._call("on_train_end", self._args_view, self._state_at(self._state, step), TrainerControl(), **objects)
+        args, state = self._seen()
+        self._call("on_train_end", args, self._state_at(state, step), TrainerControl(), **objects)
         self.started = False
 
     # ----- the Trainer's events ----------------------------------------------------------------------------------
@@ -156,7 +160,7 @@ class StreamLogger(TrainerCallback):
 
     def _shifted(self, event: str, args, state, control, **kwargs):  # noqa: ANN001
         self._remember(args, state, kwargs)
-        return self._call(event, self._args_view, self._state_at(state, self.offset + state.global_step), control,
+        return self._call(event, self._seen()[0], self._state_at(state, self.offset + state.global_step), control,
                           **kwargs)
 
     # ----- helpers -------------------------------------------------------------------------------------------
@@ -168,6 +172,11 @@ class StreamLogger(TrainerCallback):
             self._args_view.report_to = list(self.names)
         self._state = state
         self._objects = {key: kwargs[key] for key in TRAINER_OBJECTS if key in kwargs}
+
+    def _seen(self) -> tuple[TrainingArguments, TrainerState]:
+        """The stream's view of the Trainer's args and its last state (both known once a Trainer called back)."""
+        assert self._args_view is not None and self._state is not None, "no Trainer event seen yet"
+        return self._args_view, self._state
 
     @staticmethod
     def _state_at(state: TrainerState, step: int) -> TrainerState:
@@ -206,9 +215,10 @@ def results_logs(matrix: ResultsMatrix, label: str, compute: Sequence[TaskComput
     totals so far, `compute/seconds/<phase>` (the phases timed so far), peak memory, trainable parameters and
     `compute/method_state_bytes`. Undefined values (NaN) are left out."""
     if label == INITIAL_LABEL:
-        if matrix.initial is None:
+        initial = matrix.initial_headline()
+        if matrix.initial is None or initial is None:
             raise ValueError("the results matrix has no initial row")
-        row, headline = matrix.initial, matrix.initial_headline()
+        row, headline = matrix.initial, initial
     else:
         index = next((i for i, row in enumerate(matrix.rows) if row.label == label), None)
         if index is None:

@@ -381,8 +381,9 @@ def resize_position_embeddings(model: nn.Module, length: int, init: PositionInit
 def _text_configs(model: nn.Module) -> list[Any]:
     """Every distinct config object of the text tower (the model's `text_config`, the text model's own, an inner
     encoder's), so that `max_position_embeddings` stays the same in all of them."""
-    found = {id(model.config.text_config): model.config.text_config}
-    for module in model.text_model.modules():
+    config: Any = model.config  # the transformers config, which `nn.Module` does not declare
+    found = {id(config.text_config): config.text_config}
+    for module in model.get_submodule("text_model").modules():
         config = getattr(module, "config", None)
         if config is not None and hasattr(config, "max_position_embeddings"):
             found[id(config)] = config

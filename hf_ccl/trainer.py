@@ -214,13 +214,15 @@ class ContinualTrainer(Trainer):
         fresh = self.optimizer is None
         optimizer = super().create_optimizer(model)
         if fresh:
-            in_model = {id(p) for p in (model or self.model).parameters()}
+            holder = model or self.model
+            assert holder is not None, "the Trainer holds a model"
+            in_model = {id(p) for p in holder.parameters()}
             extra = [p for method in self.methods for p in method.optimizer_parameters() if p.requires_grad]
             clash = [p for p in extra if id(p) in in_model]
             if clash:
                 raise ValueError("optimizer_parameters must not be parameters of the model (the Trainer has them)")
             if extra:
-                device = next((model or self.model).parameters()).device
+                device = next(holder.parameters()).device
                 for parameter in extra:  # in place (same object) on the model's device, before any optimizer state
                     parameter.data = parameter.data.to(device)
                 optimizer.add_param_group({"params": extra, "weight_decay": 0.0})
@@ -287,12 +289,14 @@ class ContinualTrainer(Trainer):
         self._pending_chunks = []
         self._last_batch = chunks[-1]
         model.train()
-        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
-            self.optimizer.train()
+        optimizer_train = getattr(self.optimizer, "train", None)
+        if callable(optimizer_train):
+            optimizer_train()
         with self.step_meter.step(chunks, self._estimated_step_macs if self.args.torch_compile else None):
             if len(chunks) == 1:
                 with self.compute_loss_context_manager():
                     loss = self.compute_loss(model, chunks[0])
+                assert isinstance(loss, torch.Tensor)  # no return_outputs: the loss alone
                 self.accelerator.backward(loss)
             else:
                 loss = self._accumulated_step(model, chunks)
@@ -382,10 +386,10 @@ class ContinualTrainer(Trainer):
             value = value.detach().float()
             self._term_sums[name] = self._term_sums[name] + value if name in self._term_sums else value
         for method in self.methods:
-            for name, value in method.metrics().items():
+            for name, raw in method.metrics().items():
                 key = f"{method.name}/{name}"
-                value = _metric_value(value, key)
-                self._metric_sums[key] = self._metric_sums[key] + value if key in self._metric_sums else value
+                metric = _metric_value(raw, key)
+                self._metric_sums[key] = self._metric_sums[key] + metric if key in self._metric_sums else metric
         self._term_count += 1
         return loss
 
@@ -414,10 +418,10 @@ class ContinualTrainer(Trainer):
         flags += [torch.isfinite(value).all() for value in outputs.values()]
         if not flags:
             return
-        flags = torch.stack([flag.to(self.args.device) for flag in flags]).to(torch.uint8)
+        stacked = torch.stack([flag.to(self.args.device) for flag in flags]).to(torch.uint8)
         if self.args.world_size > 1:
-            flags = self.accelerator.gather(flags.unsqueeze(0)).amin(dim=0)
-        bad = [name for name, ok in zip(names, flags.tolist(), strict=True) if not ok]
+            stacked = self.accelerator.gather(stacked.unsqueeze(0)).amin(dim=0)
+        bad = [name for name, ok in zip(names, stacked.tolist(), strict=True) if not ok]
         if not bad:
             return
         shown = ", ".join(bad[:SHOWN_NAMES]) + (f", ... ({len(bad)} in all)" if len(bad) > SHOWN_NAMES else "")
@@ -471,7 +475,7 @@ class ContinualTrainer(Trainer):
         folder.mkdir(parents=True, exist_ok=True)
         if is_main_process():
             save_method_states(self.methods, folder)
-            task = {"task_index": None if self.context is None else self.context.task_index,
+            task: dict[str, Any] = {"task_index": None if self.context is None else self.context.task_index,
                     "task_name": None if self.context is None else self.context.task.name}
             if self.context is not None and self.context.run_settings is not None:
                 task["settings"] = self.context.run_settings  # compared when the task resumes
@@ -512,7 +516,7 @@ class ContinualTrainer(Trainer):
         fresh = [{key: value for key, value in group.items() if key != "params"}
                  for group in self.optimizer.param_groups] if self.optimizer is not None else []
         super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is None or not fresh:
+        if checkpoint is None or not fresh or self.optimizer is None:
             return
         changed = False
         for group, values in zip(self.optimizer.param_groups, fresh, strict=True):

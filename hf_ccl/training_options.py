@@ -128,7 +128,7 @@ NEEDS: dict[str, tuple[Callable[[Mapping[str, Any]], bool], str]] = {
     "fsdp_config": (lambda t: t.get("fsdp") not in (None, False, "", []), "training.fsdp (refused: see check_fsdp)"),
 }
 #: Schedules that take no warmup.
-NO_WARMUP_SCHEDULES = ("constant", "reduce_lr_on_plateau", "greedy")
+NO_WARMUP_SCHEDULES: tuple[str, ...] = ("constant", "reduce_lr_on_plateau", "greedy")
 
 
 def default_training() -> dict[str, Any]:
@@ -264,7 +264,8 @@ def check_training_ranges(training: Mapping[str, Any]) -> None:
 
 def accelerator() -> str | None:
     """The accelerator torch would train on (`cuda`, `mps`, `xpu`, ...), or None on a CPU-only machine."""
-    return torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else None
+    device = torch.accelerator.current_accelerator(check_available=True)
+    return device.type if device is not None else None
 
 
 def check_precision(training: Mapping[str, Any]) -> None:

@@ -603,7 +603,8 @@ def stream_random_split(
     names = list(task_names) if task_names is not None else [f"{base.source}-{i}" for i in range(n_tasks)]
     if len(names) != n_tasks:
         raise ValueError(f"task_names has {len(names)} names for {n_tasks} tasks")
-    parts, unassigned = {}, {}
+    parts: dict[str, list[np.ndarray]] = {}
+    unassigned: drops.SplitCounts = {}
     for role, ds in base.data.items():
         rows = usable_rows(ds, base.spec)
         if len(rows) < n_tasks:
@@ -788,7 +789,8 @@ def stream_by_time(
     if len(names) != len(steps):
         raise ValueError(f"task_names has {len(names)} names for {len(steps)} time steps")
     stream_name = name or f"{base.source}-by-{time_column}"
-    rows, counts, unassigned = {}, {}, {}
+    rows, counts = {}, {}
+    unassigned: drops.SplitCounts = {}
     for role, ds in base.data.items():
         times = column_values(ds, time_column)
         assigned = steps.assign(times)

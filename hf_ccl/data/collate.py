@@ -8,13 +8,16 @@ import logging
 import random
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..paths import check_default_tokenizer
 from .image_cache import PIXELS_COLUMN, output_size, pixel_lookup, pixels_to_tensor
 from .images import decode_image
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +57,7 @@ def load_tokenizer(name_or_path: str | Path | None = None, **hub_kwargs: Any) ->
     return tokenizer
 
 
-def _hf_ccl_trained_class(folder: Path) -> type | None:
+def _hf_ccl_trained_class(folder: Path) -> type[PreTrainedTokenizerBase] | None:
     """The tokenizer class a local hf_ccl task checkpoint (one with continual_state.json) names without an `auto_map`,
     else None."""
     import transformers

@@ -112,7 +112,7 @@ def language_stream(
     eval_dropped: drops.SplitCounts = {}
     drops.count(eval_dropped, "eval", drops.NO_CAPTION_IN_EVERY_LANGUAGE, len(evaluation) - len(captioned))
     drops.count(eval_dropped, "eval", drops.over_limit("eval"), len(captioned) - len(eval_rows))
-    tasks = []
+    tasks: list[Task] = []
     for language in languages:
         usable = rows_with_captions(train, [language])
         train_rows = subsample(usable, max_train_per_task, seed, name, language, "train")

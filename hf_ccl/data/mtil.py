@@ -210,11 +210,11 @@ def load_wds_classification(
 def stratified_holdout(labels: Sequence[int], fraction: float, seed: int = HOLDOUT_SEED) -> tuple[np.ndarray, np.ndarray]:
     """(kept rows, held-out rows): `fraction` of each class's rows, chosen by a permutation seeded by `seed`, held
     out (at least one row of each class with two or more)."""
-    labels = np.asarray(labels)
+    label_array = np.asarray(labels)
     rng = np.random.default_rng(seed)
     kept, held = [], []
-    for label in np.unique(labels):
-        rows = rng.permutation(np.flatnonzero(labels == label))
+    for label in np.unique(label_array):
+        rows = rng.permutation(np.flatnonzero(label_array == label))
         n_held = min(max(int(round(len(rows) * fraction)), 1), len(rows) - 1) if len(rows) > 1 else 0
         held.append(rows[:n_held])
         kept.append(rows[n_held:])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import io
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -517,7 +518,7 @@ def _mtil_heldout_task(root: Path, key: str, pacs_domain: str) -> TaskSource:
     return _clip_benchmark_task(root, key, folder, templates)
 
 
-def _ordered_keys(orders: dict[str, tuple[str, ...]], valid: tuple[str, ...], order: str,
+def _ordered_keys(orders: Mapping[str, tuple[str, ...]], valid: tuple[str, ...], order: str,
                   tasks: tuple[str, ...] | None) -> tuple[str, ...]:
     """The task keys of an order, or `tasks` (checked: known, non-empty, none twice) when given."""
     if order not in orders:

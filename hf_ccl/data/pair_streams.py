@@ -148,7 +148,7 @@ def flickr_fashion_pairs_stream(
         raise ValueError("flickr-fashion-pairs: validate_images is not supported (the images are read once, by the "
                          "frozen encoder, which names a bad row)")
     return flickr_fashion_pairs(
-        root, [tuple(pair) for pair in pairs], train_per_task=common.get("max_train_per_task") or 500,
+        root, [(dataset, a, b) for dataset, a, b in pairs], train_per_task=common.get("max_train_per_task") or 500,
         test_per_task=common.get("max_eval_per_task") or 500, reserve_train_images=reserve_train_images,
         reserve_seed=reserve_seed, seed=common.get("seed", 0),
     )

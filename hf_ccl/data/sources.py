@@ -22,13 +22,13 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 from datasets import Dataset, DatasetDict, IterableDataset, load_dataset, load_dataset_builder, load_from_disk
 
 from .images import PathBase
 
-DatasetSource = Dataset | DatasetDict | str | os.PathLike
+DatasetSource: TypeAlias = "Dataset | DatasetDict | str | os.PathLike[str]"
 #: Single data files, by suffix: the `datasets` packaged builder that reads them and its options.
 DATA_FILE_READERS: dict[str, tuple[str, dict[str, Any]]] = {
     ".parquet": ("parquet", {}),

@@ -75,12 +75,16 @@ class Task:
         if (self.kind == "pair") != (self.modalities is not None):
             raise ValueError(f"Task {self.name!r}: a pair task, and only a pair task, names its two modalities")
         if self.modalities is not None:
-            self.modalities = tuple(self.modalities)
-            if len(self.modalities) != 2 or not all(isinstance(m, str) and m for m in self.modalities):
-                raise ValueError(f"Task {self.name!r}: modalities must be two names, got {self.modalities!r}")
-            if self.modalities[0] == self.modalities[1]:
-                raise ValueError(f"Task {self.name!r} pairs modality {self.modalities[0]!r} with itself")
-            self.columns = tuple(self.columns or self.modalities)
+            modalities = tuple(self.modalities)
+            if len(modalities) != 2 or not all(isinstance(m, str) and m for m in modalities):
+                raise ValueError(f"Task {self.name!r}: modalities must be two names, got {modalities!r}")
+            if modalities[0] == modalities[1]:
+                raise ValueError(f"Task {self.name!r} pairs modality {modalities[0]!r} with itself")
+            self.modalities = (modalities[0], modalities[1])
+            columns = tuple(self.columns or modalities)
+            if len(columns) != 2:
+                raise ValueError(f"Task {self.name!r}: columns must be two names, got {columns!r}")
+            self.columns = (columns[0], columns[1])
 
     @property
     def headline_metric(self) -> str:

@@ -217,8 +217,12 @@ class TimeSteps:
             raise ValueError(f"boundaries: value(s) {repeated} appear in more than one group")
         return cls(kind, groups=tuple(parsed))
 
+    def _groups(self) -> tuple[tuple[Period, ...], ...]:
+        assert self.groups is not None, "a TimeSteps holds boundaries or groups"
+        return self.groups
+
     def __len__(self) -> int:
-        return len(self.boundaries if self.boundaries is not None else self.groups)
+        return len(self.boundaries) if self.boundaries is not None else len(self._groups())
 
     def assign(self, values: Sequence[Any]) -> np.ndarray:
         """The step index of every value (int64), or -1 for values in no step (after the last boundary, not in
@@ -229,7 +233,7 @@ class TimeSteps:
             for index in reversed(range(len(self.boundaries))):  # the earliest step whose end covers t wins
                 steps[self.boundaries[index].up_to(keys)] = index
             return steps
-        for index, group in enumerate(self.groups):
+        for index, group in enumerate(self._groups()):
             for period in group:
                 steps[period.contains(keys)] = index
         return steps
@@ -239,9 +243,10 @@ class TimeSteps:
         year, as TiC-CLIP labels its merged first step), `"a..b"` between other boundaries, `"a+b"` for groups."""
         if self.boundaries is not None:
             return [self._boundary_name(i) for i in range(len(self.boundaries))]
-        return [_group_name(group) for group in self.groups]
+        return [_group_name(group) for group in self._groups()]
 
     def _boundary_name(self, index: int) -> str:
+        assert self.boundaries is not None
         current = self.boundaries[index]
         if index == 0:
             return current.label
@@ -253,7 +258,7 @@ class TimeSteps:
 
 
 def _group_name(group: tuple[Period, ...]) -> str:
-    years = [p.year for p in group]
-    if len(group) > 1 and None not in years and sorted(years) == list(range(min(years), max(years) + 1)):
+    years = [p.year for p in group if p.year is not None]
+    if len(group) > 1 and len(years) == len(group) and sorted(years) == list(range(min(years), max(years) + 1)):
         return f"{min(years)}-{max(years)}"
     return "+".join(p.label for p in group)

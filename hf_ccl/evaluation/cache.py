@@ -95,9 +95,10 @@ class CacheSession:
             self._part("processor"), dataset_fingerprint(dataset), extra=self.settings["batch_size"])
         return self.cache.lookup((task_name, "images"), fingerprint, compute)
 
-    def texts(self, task_name: str, dataset: Any, texts: Iterable[str], compute: Callable[[], torch.Tensor],
+    def texts(self, task_name: str, dataset: Any, texts: Iterable[Any], compute: Callable[[], torch.Tensor],
               kind: str = "texts") -> torch.Tensor:
-        """Text-side embeddings of `dataset` computed from `texts` (captions, or class prompts with `kind`)."""
+        """Text-side embeddings of `dataset` computed from `texts` (captions; or, with `kind`, what class prompts are
+        built from: `[class names, templates]`)."""
         fingerprint = self._part("text").combine(
             self._part("tokenizer"), dataset_fingerprint(dataset, texts), extra=self.settings)
         return self.cache.lookup((task_name, kind), fingerprint, compute)

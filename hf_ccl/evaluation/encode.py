@@ -15,7 +15,7 @@ from ..modeling import as_embedding
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The CLIP model inside a DDP / `accelerate` wrapper (anything with `.module`), or the model itself."""
     while not hasattr(model, "get_image_features") and hasattr(model, "module"):
-        model = model.module
+        model = model.get_submodule("module")
     return model
 
 
@@ -82,6 +82,7 @@ def encode_images(
     model = unwrap(model)
     device = torch.device(device) if device is not None else model_device(model)
     dtype = _floating_dtype(model)
+    image_features: Any = model.get_image_features  # a CLIP-style model's; `nn.Module` does not declare it
     chunks: list[torch.Tensor] = []
     row = 0
     with eval_mode(model):
@@ -91,7 +92,7 @@ def encode_images(
             processed = image_processor(images=images, return_tensors="pt")
             inputs = {name: value.to(device=device, dtype=dtype if value.is_floating_point() else value.dtype)
                       for name, value in processed.items()}  # SigLIP 2: its patches' mask and grid as well
-            output = model.get_image_features(**inputs)
+            output = image_features(**inputs)
             chunks.append(as_embedding(output).float())
     return torch.cat(chunks) if chunks else _empty(model, device)
 
@@ -128,6 +129,8 @@ def encode_texts(
     device = torch.device(device) if device is not None else model_device(model)
     max_length = max_length if max_length is not None else default_max_length(model, tokenizer)
     padding = getattr(model, "text_padding", "longest") if max_length is not None else "longest"
+    text_features: Any = model.get_text_features  # a CLIP-style model's; `nn.Module` does not declare it
+    text_inputs: Any = getattr(model, "text_inputs", None)
     chunks: list[torch.Tensor] = []
     with eval_mode(model):
         for batch in _batches(texts, batch_size):
@@ -141,7 +144,7 @@ def encode_texts(
             inputs = {
                 name: tokens[name].to(device) for name in ("input_ids", "attention_mask") if name in tokens
             }
-            if hasattr(model, "text_inputs"):  # the family's convention (SigLIP: no attention mask)
-                inputs = model.text_inputs(inputs["input_ids"], inputs.get("attention_mask"))
-            chunks.append(as_embedding(model.get_text_features(**inputs)).float())
+            if text_inputs is not None:  # the family's convention (SigLIP: no attention mask)
+                inputs = text_inputs(inputs["input_ids"], inputs.get("attention_mask"))
+            chunks.append(as_embedding(text_features(**inputs)).float())
     return torch.cat(chunks) if chunks else _empty(model, device)

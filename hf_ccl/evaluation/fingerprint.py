@@ -78,7 +78,7 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().reshape(-1)
     if flat.device.type != "cpu":
         flat = flat.cpu()
-    return memoryview(flat.contiguous().view(torch.uint8).numpy())
+    return flat.contiguous().view(torch.uint8).numpy().data
 
 
 def _in_tower(name: str, tower: Tower) -> bool:
@@ -106,7 +106,7 @@ def _module_state(model: torch.nn.Module) -> list[Any]:
 def tower_fingerprint(model: torch.nn.Module, tower: Tower) -> Fingerprint:
     """What `model.get_<tower>_features` computes with (see the module docstring)."""
     digest = hashlib.blake2b(digest_size=16)
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     config_json = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else repr(config)
     digest.update(_json([type(model).__module__, type(model).__qualname__, tower, config_json,
                          _module_state(model)]).encode())

@@ -205,7 +205,7 @@ class ResultsMatrix:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", NotEvaluatedWarning)
             return summarize(self.headline()[:k, :k], None if initial is None else initial[:k],
-                             sizes[:k] if class_incremental else None, scale="percent")
+                             sizes[:k] if sizes is not None and class_incremental else None, scale="percent")
 
     def eval_sizes(self) -> list[int] | None:
         """Eval examples each task was scored on (from the recorded protocol), None when not recorded."""

@@ -26,17 +26,20 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..callbacks import TaskCallback
+from ..callbacks import StreamControl, StreamState, TaskCallback
 from ..distributed import is_main_process
 from ..files import write_text_atomic
 from .encode import encode_images, encode_texts
 from .evaluator import iter_column
 from .retrieval import captions_to_text_to_image, hit_rate, image_to_text_rank_counts
+
+if TYPE_CHECKING:
+    from ..continual import ContinualArguments
 
 logger = logging.getLogger(__name__)
 
@@ -360,18 +363,18 @@ class SpatialDisorderCallback(TaskCallback):
         self.reference: DisorderEmbeddings | None = None
         self.results: dict[str, SpatialDisorder] = {}
 
-    def _embed(self, args: Any, learner: Any) -> DisorderEmbeddings:
+    def _embed(self, args: ContinualArguments, learner: Any) -> DisorderEmbeddings:
         dataset = learner.stream[args.spatial_disorder_task].eval
         return embed_for_disorder(
             learner.model, iter_column(dataset, "image"), list(iter_column(dataset, "texts")),
             learner.image_processor, learner.tokenizer, args.eval_batch_size, learner.max_length,
         )
 
-    def on_stream_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_stream_begin(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
         if args.spatial_disorder_task is not None and state.resumed_from is None and is_main_process():
             self.reference = self._embed(args, kwargs["learner"])
 
-    def on_task_evaluated(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_task_evaluated(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
         if self.reference is None:
             return
         current, reference = self._embed(args, kwargs["learner"]), self.reference
@@ -379,7 +382,7 @@ class SpatialDisorderCallback(TaskCallback):
             reference.images, reference.texts, current.images, current.texts, reference.correct
         )
 
-    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_save(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
         folder = Path(kwargs["folder"])
         if self.results:
             payload = {label: result.to_dict() for label, result in self.results.items()}
@@ -396,7 +399,7 @@ class SpatialDisorderCallback(TaskCallback):
             save_file({"images": reference.images.contiguous(), "texts": reference.texts.contiguous(),
                        "correct": reference.correct.contiguous()}, str(folder / REFERENCE_FILE))
 
-    def on_restore(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_restore(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
         folder = Path(kwargs["folder"])
         if args.spatial_disorder_task is None or not (folder / REFERENCE_FILE).exists() or not is_main_process():
             return

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..callbacks import TaskCallback
+from ..callbacks import StreamControl, StreamState, TaskCallback
 
 if TYPE_CHECKING:
+    from ..continual import ContinualArguments
     from ..modeling import ContinualCLIPModel, ContinualDualEncoder
     from .hub_server import (
         FaultPlan,
@@ -79,7 +80,7 @@ class TrainingLogRecorder(TaskCallback):
     def __init__(self) -> None:
         self.logs: list[list[dict[str, Any]]] = []
 
-    def on_task_trained(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_task_trained(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
         self.logs.append(list(kwargs["context"].log_history))
 
     def step_logs(self, index: int) -> list[dict[str, Any]]:
@@ -93,7 +94,7 @@ class StopAfterTask(TaskCallback):
     def __init__(self, index: int) -> None:
         self.index = index
 
-    def on_task_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_task_end(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
         control.should_stop = state.task_index == self.index
 
 

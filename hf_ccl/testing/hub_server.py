@@ -774,7 +774,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _read_body(self) -> bytes:
         if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
-            chunks = []
+            chunks: list[bytes] = []
             while True:
                 size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
                 if size == 0:
@@ -901,7 +901,7 @@ class LocalHubServer:
         """The server's URL, e.g. 'http://127.0.0.1:54321'."""
         if self._httpd is None:
             raise RuntimeError("LocalHubServer is not running: call start() or use it as a context manager")
-        host, port = self._httpd.server_address[:2]
+        host, port = self._httpd.socket.getsockname()[:2]  # what `server_address` holds, typed
         return f"http://{host}:{port}"
 
     def patch_client(self, **kwargs: Any) -> contextlib.AbstractContextManager[str]:
@@ -1025,11 +1025,11 @@ def local_hub_endpoint(
             set_attr(constants, "HF_HUB_CACHE", str(Path(cache_dir)))
         set_attr(hf_api.api, "endpoint", endpoint)
 
-        transformers_hub = sys.modules.get("transformers.utils.hub")
+        transformers_hub: Any = sys.modules.get("transformers.utils.hub")  # its private `_hf_api` is set below
         saved_api = getattr(transformers_hub, "_hf_api", None)
 
         def restore_transformers_api() -> None:
-            module = sys.modules.get("transformers.utils.hub")
+            module: Any = sys.modules.get("transformers.utils.hub")
             if module is not None and hasattr(module, "_hf_api"):
                 module._hf_api = saved_api if module is transformers_hub else None
 
@@ -1113,9 +1113,10 @@ def local_hub_process(
     ]
     proc = subprocess.Popen([*cmd, *_fault_args(faults or FaultPlan())], stdout=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout is not None
+        stdout = proc.stdout
+        assert stdout is not None
         ready: list[str] = []
-        reader = threading.Thread(target=lambda: ready.append(proc.stdout.readline().strip()), daemon=True)
+        reader = threading.Thread(target=lambda: ready.append(stdout.readline().strip()), daemon=True)
         reader.start()
         reader.join(startup_timeout)
         if not ready or not ready[0].startswith("http"):
