@@ -22,8 +22,8 @@ from hf_ccl.methods import METHODS, build_methods, load_method_states
 from hf_ccl.run import check_config
 from hf_ccl.validation import ConfigError
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-SECTION = "## Write your own method"
+README = Path(__file__).resolve().parents[1] / "docs" / "methods" / "write-your-own.md"  # the README's former section
+SECTION = "# Write your own method"
 NAME = "l2_anchor"
 TERM = f"loss/{NAME}/pull"
 

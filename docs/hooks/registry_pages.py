@@ -181,5 +181,9 @@ def on_files(files: Files, config: Any) -> Files:
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
-    """Drop the `skip` marker of code blocks the docs test does not run (superfences reads it as no fence)."""
-    return SKIP_MARKER.sub(r"\1", markdown)
+    """Drop the `skip` marker of code blocks the docs test does not run (superfences reads it as no fence); in the
+    benchmark results, escape matrix cells such as `R[1][0]`, which would read as reference links."""
+    markdown = SKIP_MARKER.sub(r"\1", markdown)
+    if page.file.src_uri.startswith("results/"):
+        markdown = re.sub(r"\]\[(\d+)\]", r"]\\[\1]", markdown)
+    return markdown
