@@ -7,7 +7,7 @@ CONFIG ?= recipes/configs/digits.yaml
 # The demo run replaces its previous run folder; any ARGS of yours replace this (e.g. ARGS=resume_from_checkpoint=true).
 ARGS ?= overwrite_output_dir=true
 
-.PHONY: install run test test-all lint bench clean
+.PHONY: install run test test-all lint docs bench clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,10 +29,19 @@ test-all: install
 lint: install
 	$(VENV)/bin/ruff check .
 
+# The docs site (mkdocs.yml, docs/): installs the `docs` extra through the same constraints, then builds into site/
+# with --strict, so a broken link or anchor, or a docstring that does not render, fails the build.
+$(VENV)/.docs-installed: $(VENV)/.installed
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[docs]"
+	touch $@
+
+docs: $(VENV)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 bench: install
 	$(PY) benchmarks/framework_overhead.py
 	$(PY) benchmarks/eval_scaling.py
 	$(PY) benchmarks/method_speed.py
 
 clean:
-	rm -rf $(VENV) outputs .pytest_cache
+	rm -rf $(VENV) outputs site .pytest_cache

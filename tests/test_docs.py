@@ -20,7 +20,9 @@ import shlex
 import subprocess
 import sys
 import textwrap
+import time
 import traceback
+import types
 from pathlib import Path
 
 import pytest
@@ -84,18 +86,21 @@ def run_pages(pages: dict[str, list[tuple[int, str, str | None]]], workdir: Path
         folder = workdir / str(index)
         folder.mkdir(parents=True)
         os.chdir(folder)
-        namespace = {"__name__": f"__docs_{index}__"}
+        module = types.ModuleType(f"docs_page_{index}")  # a module of its own: dataclasses look their class up there
+        sys.modules[module.__name__] = module
+        namespace = module.__dict__
         results[page] = []
         for line, code, file_name in blocks:
             if file_name:
                 Path(file_name).write_text(code, encoding="utf-8")
                 continue
+            started = time.perf_counter()
             try:
                 exec(compile(code, f"{page}:{line}", "exec"), namespace)  # noqa: S102 - the docs' own code
             except BaseException:  # a snippet that exits or raises anything is broken
                 results[page].append({"line": line, "ok": False, "error": traceback.format_exc(limit=-3)})
                 break
-            results[page].append({"line": line, "ok": True, "error": ""})
+            results[page].append({"line": line, "ok": True, "error": "", "seconds": time.perf_counter() - started})
     return results
 
 
@@ -141,7 +146,7 @@ def test_python_block_runs(python_results, page, line, code, skip):
 def test_blocks_found():
     """The extraction sees the docs (a renamed folder or fence style would otherwise pass vacuously)."""
     assert len([block for block in PYTHON if not block[3]]) >= 10
-    assert len(BASH_LINES) >= 10 and len(YAML) >= 5
+    assert len(BASH_LINES) >= 10 and len(YAML) >= 4
     skipped = [f"{page}:{line}" for page, line, _, skip in PYTHON if skip]
     assert len(skipped) <= 8, f"too many Python blocks are not run: {skipped}"
 

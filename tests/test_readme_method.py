@@ -33,7 +33,7 @@ def section_blocks(language: str) -> list[str]:
     text = README.read_text(encoding="utf-8")
     start = text.index(SECTION)
     end = text.find("\n## ", start + len(SECTION))
-    return re.findall(rf"^```{language}\n(.*?)^```", text[start:end if end > 0 else None], flags=re.S | re.M)
+    return re.findall(rf"^```{language}[^\n]*\n(.*?)^```", text[start:end if end > 0 else None], flags=re.S | re.M)
 
 
 @pytest.fixture
