@@ -151,6 +151,18 @@ def test_blocks_found():
     assert len(skipped) <= 8, f"too many Python blocks are not run: {skipped}"
 
 
+def test_readme_links_resolve():
+    """The README is read on GitHub, not built by mkdocs: its relative links must name files that exist (the site's
+    own links are checked by `mkdocs build --strict`), and its two commands stay first."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    assert len(links) >= 10
+    missing = [link for link in links if "://" not in link and not (ROOT / link).exists()]
+    assert not missing, f"README links to missing files: {missing}"
+    first_block = code_blocks(ROOT / "README.md", "bash")[0][1].splitlines()
+    assert first_block[0].startswith("make run") and first_block[2].startswith("make test")
+
+
 @pytest.mark.parametrize(("page", "line", "command"), BASH_LINES, ids=[f"{p}:{n}" for p, n, _ in BASH_LINES])
 def test_cli_line_parses(page, line, command):
     argv = shlex.split(command, comments=True)[1:]
