@@ -26,6 +26,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .callbacks import StreamControl, StreamState, TaskCallback
 from .compute import cost_table, task_records
+from .data.kinds import find_task_kind
 from .evaluation.matrix import DERIVED_DESCRIPTIONS, INITIAL_LABEL, RESULTS_JSON, ResultsMatrix
 from .processors import AUTO_MAP_NOTE
 from .version import __version__
@@ -297,22 +298,18 @@ def eval_results(
 
 
 def chance_level(entry: Mapping[str, Any]) -> float | None:
-    """The headline score (%) of a random guess: 100/classes for accuracy; for retrieval R_mean, the mean of K/N over
-    K = 1, 5, 10 with N eval examples (one caption per image)."""
-    if entry.get("kind") == "classification" and entry.get("classes"):
-        return 100.0 / entry["classes"]
-    examples = entry.get("examples")
-    if entry.get("kind") == "retrieval" and examples:
-        return 100.0 * sum(min(k, examples) / examples for k in (1, 5, 10)) / 3
-    return None
+    """The headline score (%) of a random guess, from the task's kind (`TaskKind.chance_level`): 100/classes for
+    accuracy; for retrieval R_mean, the mean of K/N over K = 1, 5, 10 with N eval examples (one caption per image)."""
+    kind = find_task_kind(entry.get("kind"))
+    return None if kind is None else kind.chance_level(entry.get("examples"), entry.get("classes"))
 
 
 def _protocol_rows(evaluation: list[Mapping[str, Any]]) -> list[list[str]]:
     rows = []
     for entry in evaluation:
         chance = chance_level(entry)
-        rows.append([_cell(entry.get("task")), "zero-shot classification" if entry.get("kind") == "classification"
-                     else "image-text retrieval", _cell(entry.get("split", "eval")), _value(entry.get("examples")),
+        kind = find_task_kind(entry.get("kind"))
+        rows.append([_cell(entry.get("task")), _cell(kind.description if kind else entry.get("kind") or MISSING), _cell(entry.get("split", "eval")), _value(entry.get("examples")),
                      _value(entry.get("classes")) if entry.get("classes") else MISSING,
                      _value(entry.get("templates")) if entry.get("templates") else MISSING,
                      MISSING if chance is None else format_score(chance, 2)])

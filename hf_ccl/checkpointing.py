@@ -350,7 +350,7 @@ def evaluation_protocol(task: Any) -> dict[str, Any]:
     """What the model card says of how a task is evaluated: its kind, eval rows, classes and prompt templates."""
     return {"task": task.name, "kind": task.kind, "split": "eval", "examples": len(task.eval),
             "classes": len(task.class_names) if task.class_names else None,
-            "templates": len(task.eval_templates or DEFAULT_TEMPLATES) if task.kind == "classification" else None}
+            "templates": len(task.eval_templates or DEFAULT_TEMPLATES) if task.kind_spec.has_classes else None}
 
 
 

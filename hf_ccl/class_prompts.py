@@ -66,7 +66,7 @@ def seen_class_names(seen: Sequence[Task], task: Task) -> list[str]:
     puts each through the evaluated task's own templates, so a name is one prompt text there (module docstring)."""
     names: dict[str, None] = {}
     for other in (*seen, task):
-        if other.kind == "classification":
+        if other.kind_spec.has_classes:
             names.update(dict.fromkeys(other.class_names or []))
     return list(names)
 
@@ -105,7 +105,7 @@ class ClassPrompts:
         among different classes (a row's own task could not be told)."""
         if scope not in CLASS_SCOPES:
             raise ValueError(f"class_scope must be one of {list(CLASS_SCOPES)}, got {scope!r}")
-        tasks = [task for task in tasks if task.kind == "classification"]
+        tasks = [task for task in tasks if task.kind_spec.has_classes]
         if not tasks:
             raise ValueError("cross-entropy class prompts need at least one classification task")
         entries = _class_entries(tasks)  # (task position, label index, name, prompt texts), task-major

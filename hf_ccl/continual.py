@@ -49,8 +49,8 @@ from .checkpointing import (  # noqa: F401  (re-exported: public names of this m
 )
 from .class_prompts import CLASS_SCOPES, CLASSIFICATION_LOSSES, ClassPrompts
 from .compute import ComputeCallback, TaskCompute, global_batch_size, phase_timer
-from .data.collate import CLIPCollator
 from .data.image_cache import cached_pixels_dataset, check_image_cache
+from .data.kinds import CollatorSetup, ModelPart
 from .data.reference import ReferenceBatches
 from .data.streaming import column_names, is_empty, is_streaming, whole_batches
 from .data.task import TaskStream
@@ -69,7 +69,7 @@ from .hub import (
 from .methods.base import ContinualMethod, TaskContext
 from .methods.registry import METHODS, check_methods
 from .modeling import ContinualDualEncoder
-from .pair_features import ModalityEncoder, PairFeatureCollator, encode_pair_stream, pair_encoders
+from .pair_features import ModalityEncoder, encode_pair_stream, pair_encoders
 from .resume_settings import run_settings
 from .run_folder import RunFolderLock, claim_run_folder
 from .stream_logging import StreamLogger, reporting_callbacks
@@ -323,7 +323,7 @@ def validate_stream(stream: TaskStream, args: ContinualArguments | None = None) 
                 raise ValueError(f"{where}: the {split_name} split is empty")
         if args is not None and is_streaming(task.train):
             _check_streaming_budget(args.training, args.samples_per_task, args.first_task_epochs, index, task.name)
-    if args is not None and not any(task.kind == "classification" for task in stream):
+    if args is not None and not any(kind.has_classes for kind in stream.kinds):
         for key, value, default in (("classification_loss", args.classification_loss, "contrastive"),
                                     ("class_scope", args.class_scope, "task")):
             if value != default:
@@ -347,11 +347,12 @@ def _check_streaming_budget(
 
 
 def check_pair_stream(stream: TaskStream, methods: list[ContinualMethod], args: ContinualArguments) -> None:
-    """Pair tasks (CMCL's setting) train learner heads on cached features: they need the `learner_heads` method and
-    one micro-batch per step (the exact accumulation of `hf_ccl.accumulation` is CLIP's loss)."""
-    if not any(task.kind == "pair" for task in stream):
+    """Tasks whose kind trains learner heads on cached features (CMCL's pair tasks, `ModelPart.LEARNER_HEADS`) need
+    the method that attaches them (`learner_heads`) and one micro-batch per step (the exact accumulation of
+    `hf_ccl.accumulation` is CLIP's loss)."""
+    if not any(kind.trains is ModelPart.LEARNER_HEADS for kind in stream.kinds):
         return
-    if not any("learner_heads" in method.roles for method in methods):
+    if not any(method.attaches is ModelPart.LEARNER_HEADS for method in methods):
         raise ConfigError(f"stream {stream.name!r} has pair tasks: they train learner heads on the frozen CLIP's "
                           "features; add the learner_heads method (first in methods)", "methods")
     unsupported = [method.name for method in methods if not method.trains_pair_tasks]
@@ -421,8 +422,7 @@ class ContinualLearner:
         self.base_model = model.config._name_or_path or None  # what the run started from, for the model card
         self.model.align_special_tokens(tokenizer)
         self.results = ResultsMatrix(task_names=stream.task_names, headline_metrics=[
-            "seen_accuracy" if args.class_scope == "seen" and task.kind == "classification" else task.headline_metric
-            for task in stream])
+            task.kind_spec.headline(args.class_scope) for task in stream])
         if args.spatial_disorder_task is not None and not 0 <= args.spatial_disorder_task < len(stream):
             raise ValueError(f"spatial_disorder_task must index a task of the stream (0..{len(stream) - 1})")
         self.task_callbacks = TaskCallbackHandler(
@@ -464,7 +464,7 @@ class ContinualLearner:
 
     def encode_pair_tasks(self) -> None:
         """Replace each pair task's splits by their frozen features (`hf_ccl.pair_features`), once per run."""
-        if not any(task.kind == "pair" for task in self.stream):
+        if not any(kind.trains is ModelPart.LEARNER_HEADS for kind in self.stream.kinds):
             return
         encoders = pair_encoders(
             self.model, self.image_processor, self.tokenizer, self.stream.modalities,
@@ -583,7 +583,7 @@ class ContinualLearner:
             clock = context.phase_seconds  # wall time by phase (`hf_ccl.compute`)
             with phase_timer(clock, "task_start"):
                 self._start_task(context)
-            if task.kind == "pair":
+            if task.kind_spec.trains is ModelPart.LEARNER_HEADS:
                 check_frozen_encoders(self.model, task.name)
             trainer = self._train_task(context)
             with phase_timer(clock, "after_training"):
@@ -650,7 +650,7 @@ class ContinualLearner:
     def _class_prompts(self, context: TaskContext) -> ClassPrompts | None:
         """The candidate class prompts of a classification task trained with the cross-entropy loss: its own
         classes, and those of the tasks before it in the `"seen"` scope or when a method trains on their rows."""
-        if self.args.classification_loss != "cross_entropy" or context.task.kind != "classification":
+        if self.args.classification_loss != "cross_entropy" or not context.task.kind_spec.has_classes:
             return None
         past = self.args.class_scope == "seen" or any(method.trains_on_past_tasks for method in self.methods)
         tasks = context.seen_tasks if past else [context.task]
@@ -674,7 +674,7 @@ class ContinualLearner:
                     f"global batch ({batch}): with a compute budget every step needs a whole batch, so it could not "
                     "train at all. Use a smaller per_device_train_batch_size or give the task more data."
                 )
-        if self.args.image_cache and context.task.kind != "pair":  # built once per machine, then read by all
+        if self.args.image_cache and context.task.kind_spec.has_images:  # built once per machine, then read by all
             with training_args.main_process_first(local=True, desc="image cache"):
                 folder = None if self.args.image_cache is True else self.args.image_cache
                 dataset = cached_pixels_dataset(dataset, self.image_processor, cache_dir=folder)
@@ -791,19 +791,10 @@ class ContinualLearner:
         context.class_prompts = self._class_prompts(context)
         if context.class_prompts is not None:
             options["class_labels"] = context.class_prompts.labels
-        if context.task.kind == "pair":
-            if options:
-                raise ValueError(f"pair task {context.task.name!r} is batched from cached features: collator "
-                                 f"options {sorted(options)} cannot apply")
-            collator = context.collator = PairFeatureCollator(context.task.modalities)
-        else:
-            padding = self.model.text_padding
-            collator = CLIPCollator(self.image_processor, self.tokenizer, max_length=self.max_length, train=True,
-                                    seed=context.seed, num_workers=training_args.dataloader_num_workers,
-                                    padding=padding, **options)
-            # What task-end hooks may need to run the model over the task's data (EWC's Fisher, MAS, DER).
-            context.collator = CLIPCollator(self.image_processor, self.tokenizer, max_length=self.max_length,
-                                            train=False, seed=context.seed, padding=padding, **options)
+        # The kind batches its task; the eval-mode twin is what task-end hooks run the model over (EWC's Fisher, DER).
+        collator, context.collator = context.task.kind_spec.collators(context.task, CollatorSetup(
+            self.image_processor, self.tokenizer, self.max_length, context.seed,
+            num_workers=training_args.dataloader_num_workers, padding=self.model.text_padding, options=options))
         for method in self.methods:  # reference sets, collated like the task's own batches (ZSCL)
             reference = method.reference_data(context)
             if reference is not None:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from datasets import Dataset
 
+from .data.kinds import ModelPart
 from .data.task import Task, TaskStream
 from .evaluation.encode import encode_images, encode_texts
 
@@ -168,7 +169,7 @@ def is_encoded(task: Task) -> bool:
 
 def encode_pair_task(task: Task, encoders: Mapping[str, ModalityEncoder]) -> Task:
     """`task` with both splits replaced by their frozen features (`FEATURE_COLUMNS`, torch format)."""
-    if task.kind != "pair" or is_encoded(task):
+    if task.kind_spec.trains is not ModelPart.LEARNER_HEADS or is_encoded(task):
         return task
     assert task.modalities is not None and task.columns is not None  # a pair task names both
     splits = {}

@@ -19,6 +19,7 @@ from .builders import (
 from .collate import CLIPCollator, load_image_processor, load_tokenizer, stable_hash
 from .dropped import log_dropped
 from .images import CorruptImageError, MissingImageError, decode_image
+from .kinds import ModelPart, get_task_kind, register_task_kind
 from .mtil import MTIL_ORDERS, MTIL_REPOS, load_wds_classification, mtil_stream
 from .named import DIGIT_CLASS_NAMES, NAMED_STREAMS, build_stream, describe_streams, digits_dataset
 from .sources import DATA_FILE_READERS
@@ -36,6 +37,7 @@ __all__ = [
     "MTIL_ORDERS",
     "MTIL_REPOS",
     "MissingImageError",
+    "ModelPart",
     "NAMED_STREAMS",
     "NO_TASK",
     "Task",
@@ -51,6 +53,7 @@ __all__ = [
     "describe_streams",
     "digits_dataset",
     "format_template",
+    "get_task_kind",
     "is_empty",
     "is_streaming",
     "load_image_processor",
@@ -58,6 +61,7 @@ __all__ = [
     "load_tokenizer",
     "load_wds_classification",
     "log_dropped",
+    "register_task_kind",
     "mtil_stream",
     "peek",
     "resolve_class_names",

@@ -57,6 +57,7 @@ from .canonical import (
     validate_images,
 )
 from .images import PathBase
+from .kinds import get_task_kind
 from .source_streams import RowFilter, canonical_stream, matching_strings, step_filter, where_filter
 from .sources import (
     DatasetSource,
@@ -288,7 +289,7 @@ def _split_subsample(stream: str, item: _Resolved, role: str, rows: np.ndarray, 
     """The rows a split keeps under its limit: a classification task's eval rows stratified by class
     (`stratified_subsample`), every other split at random (`subsample`); both keyed by stream, task and role."""
     limit, key = options.limit(role), (stream, item.name, role)
-    if role != "eval" or item.spec.kind != "classification" or limit is None or len(rows) <= limit:
+    if role != "eval" or not get_task_kind(item.spec.kind).has_classes or limit is None or len(rows) <= limit:
         return subsample(rows, limit, options.seed, *key)
     values = column_values(item.data[role], str(item.spec.label_column))
     return stratified_subsample(rows, [values[i] for i in rows], limit, options.seed, *key)

@@ -22,7 +22,6 @@ from datasets import Image as ImageFeature
 from datasets.utils import disable_progress_bars, enable_progress_bars, is_progress_bar_enabled
 
 from .images import PathBase, check_image_feature, decode_image, resolve_image
-from .task import TaskKind
 from .templates import format_template
 
 DEFAULT_TRAIN_TEMPLATES = ("a photo of a {label}.",)
@@ -59,7 +58,7 @@ class TextSpec:
                 object.__setattr__(self, name, tuple(value))
 
     @property
-    def kind(self) -> TaskKind:
+    def kind(self) -> str:
         return "retrieval" if self.text_column is not None else "classification"
 
     @property

@@ -176,7 +176,7 @@ def check_image_cache(stream: Any, image_processor: Any, image_cache: bool | str
     image-text tasks with map-style train splits and a processor with one output size."""
     if image_cache in (None, False):
         return
-    clip_tasks = [task for task in stream if task.kind != "pair"]
+    clip_tasks = [task for task in stream if task.kind_spec.has_images]
     if not clip_tasks:
         raise ConfigError(f"image_cache: stream {stream.name!r} has only pair tasks (trained on cached features); "
                           "there are no images to cache: remove image_cache", "image_cache")

@@ -26,31 +26,32 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Literal
 
 from datasets import Dataset, IterableDataset
 
-CANONICAL_COLUMNS = ("image", "texts", "image_id", "label")
+from .kinds import CANONICAL_COLUMNS, TASK_KINDS, TaskKind, get_task_kind
+
+__all__ = ["CANONICAL_COLUMNS", "NO_TASK", "TASK_KINDS", "Task", "TaskKind", "TaskStream"]
+
 #: The key of `TaskStream.dropped` for rows that fall in no task.
 NO_TASK = "(no task)"
-TaskKind = Literal["retrieval", "classification", "pair"]
-TASK_KINDS = ("retrieval", "classification", "pair")
 
 
 @dataclass
 class Task:
     """One step of a continual stream.
 
-    `kind` says how the task is scored: captioned tasks by image-text retrieval (Recall@K), class-label tasks by
-    zero-shot classification over `class_names` with the prompt-template ensemble `eval_templates` (DESIGN.md:
-    caption-level retrieval is ill-defined when many captions are identical); pair tasks by Recall@K between their
-    two modalities (`modalities`, anchor first; see the module docstring).
+    `kind` names a registered task kind (`hf_ccl.data.kinds`; `kind_spec` is the kind object, which says how the
+    task is checked, batched, trained and scored): captioned tasks by image-text retrieval (Recall@K), class-label
+    tasks by zero-shot classification over `class_names` with the prompt-template ensemble `eval_templates`
+    (DESIGN.md: caption-level retrieval is ill-defined when many captions are identical); pair tasks by Recall@K
+    between their two modalities (`modalities`, anchor first; see the module docstring).
     """
 
     name: str
     train: Dataset | IterableDataset  # a stream (hf_ccl.data.streaming) when the task's data is read as it comes
     eval: Dataset
-    kind: TaskKind = "retrieval"
+    kind: str = "retrieval"
     class_names: list[str] | None = None
     eval_templates: list[str] | None = None
     source: str = ""
@@ -68,33 +69,33 @@ class Task:
             raise ValueError(f"Task name {self.name!r} must be a non-empty line of printable text (it names the task "
                              "in results, cards and branches): name the task (e.g. the builder's `names`) or clean "
                              "the column value it came from")
-        if self.kind not in TASK_KINDS:
-            raise ValueError(f"Task {self.name!r}: kind must be one of {list(TASK_KINDS)}, got {self.kind!r}")
-        if self.kind == "classification" and not self.class_names:
-            raise ValueError(f"Task {self.name!r}: a classification task needs class_names")
-        if (self.kind == "pair") != (self.modalities is not None):
-            raise ValueError(f"Task {self.name!r}: a pair task, and only a pair task, names its two modalities")
+        get_task_kind(self.kind, where=f"Task {self.name!r}: ").check_task(self)
         if self.modalities is not None:
-            modalities = tuple(self.modalities)
-            if len(modalities) != 2 or not all(isinstance(m, str) and m for m in modalities):
-                raise ValueError(f"Task {self.name!r}: modalities must be two names, got {modalities!r}")
-            if modalities[0] == modalities[1]:
-                raise ValueError(f"Task {self.name!r} pairs modality {modalities[0]!r} with itself")
-            self.modalities = (modalities[0], modalities[1])
-            columns = tuple(self.columns or modalities)
-            if len(columns) != 2:
-                raise ValueError(f"Task {self.name!r}: columns must be two names, got {columns!r}")
-            self.columns = (columns[0], columns[1])
+            self.modalities = self._two_names("modalities", self.modalities)
+            if self.modalities[0] == self.modalities[1]:
+                raise ValueError(f"Task {self.name!r} pairs modality {self.modalities[0]!r} with itself")
+            self.columns = self._two_names("columns", self.columns or self.modalities)
+
+    def _two_names(self, field_name: str, value: object) -> tuple[str, str]:
+        names = tuple(value) if isinstance(value, (tuple, list)) else ()
+        if len(names) != 2 or not all(isinstance(m, str) and m for m in names):
+            raise ValueError(f"Task {self.name!r}: {field_name} must be two names, got {value!r}")
+        return names[0], names[1]
+
+    @property
+    def kind_spec(self) -> TaskKind:
+        """The task's kind (`hf_ccl.data.kinds.TaskKind`): ask it, rather than compare `kind` to a name."""
+        return get_task_kind(self.kind)
 
     @property
     def headline_metric(self) -> str:
         """The metric placed in the results matrix for this task."""
-        return {"retrieval": "R_mean", "classification": "accuracy", "pair": "R@1"}[self.kind]
+        return self.kind_spec.headline_metric
 
     @property
     def required_columns(self) -> tuple[str, ...]:
         """The columns both splits must have: the canonical ones, or a pair task's two modality columns."""
-        return self.columns if self.columns is not None else CANONICAL_COLUMNS
+        return self.kind_spec.required_columns(self)
 
 
 @dataclass
@@ -121,6 +122,11 @@ class TaskStream:
     @property
     def task_names(self) -> list[str]:
         return [task.name for task in self.tasks]
+
+    @property
+    def kinds(self) -> list[TaskKind]:
+        """The kinds of the stream's tasks, each once, in order of first appearance."""
+        return list(dict.fromkeys(task.kind_spec for task in self.tasks))
 
     @property
     def modalities(self) -> list[str]:

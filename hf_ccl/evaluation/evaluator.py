@@ -13,11 +13,11 @@ from typing import Any
 import torch
 from datasets import Dataset
 
+from ..data.kinds import EvalSetup
 from ..data.task import Task
 from .cache import CacheSession, EmbeddingCache
 from .checks import NonFiniteEmbeddingError
 from .encode import encode_images, encode_texts
-from .pairs import evaluate_pair_task
 from .retrieval import captions_to_text_to_image, recall_at_k, unique_texts
 from .routing import EvaluationRouter, evaluation_router, route_groups, routing_metrics
 from .zeroshot import DEFAULT_TEMPLATES, zero_shot_accuracy, zero_shot_classifier
@@ -39,16 +39,11 @@ def _encode_eval_images(
     return compute() if cache is None else cache.images(task.name, task.eval, compute)
 
 
-def _evaluate_retrieval(
-    model: torch.nn.Module,
-    task: Task,
-    image_processor: Any,
-    tokenizer: Any,
-    batch_size: int,
-    max_length: int | None,
-    chunk_size: int,
-    cache: CacheSession | None,
-) -> dict[str, float]:
+def evaluate_retrieval(model: torch.nn.Module, task: Task, setup: EvalSetup) -> dict[str, float]:
+    """Recall@K of a captioned task (`RetrievalKind.evaluate`; see `evaluate_task`)."""
+    image_processor, tokenizer, batch_size, max_length = (setup.image_processor, setup.tokenizer, setup.batch_size,
+                                                          setup.max_length)
+    chunk_size, cache = setup.chunk_size, setup.cache
     texts, text_to_image = captions_to_text_to_image(list(iter_column(task.eval, "texts", batch_size)))
     distinct, text_ids = unique_texts(texts)  # a caption on several images is one text, a positive of each
     image_embeds = _encode_eval_images(model, task, image_processor, batch_size, cache)
@@ -61,16 +56,11 @@ def _evaluate_retrieval(
                        chunk_size=chunk_size, text_ids=text_ids)
 
 
-def _evaluate_classification(
-    model: torch.nn.Module,
-    task: Task,
-    image_processor: Any,
-    tokenizer: Any,
-    batch_size: int,
-    max_length: int | None,
-    cache: CacheSession | None,
-    seen_class_names: Sequence[str] | None = None,
-) -> dict[str, float]:
+def evaluate_classification(model: torch.nn.Module, task: Task, setup: EvalSetup) -> dict[str, float]:
+    """Zero-shot accuracy of a class-label task (`ClassificationKind.evaluate`; see `evaluate_task`)."""
+    image_processor, tokenizer, batch_size, max_length = (setup.image_processor, setup.tokenizer, setup.batch_size,
+                                                          setup.max_length)
+    cache, seen_class_names = setup.cache, setup.seen_class_names
     templates = list(task.eval_templates or DEFAULT_TEMPLATES)
     class_names = list(task.class_names or [])
 
@@ -149,21 +139,16 @@ def evaluate_task(
     `seen_class_names` (the task-agnostic protocol, `hf_ccl.class_prompts.seen_class_names`) also `seen_accuracy`
     (and `seen_top5_accuracy`), among those classes with the task's own templates.
     Pair tasks (encoded by `hf_ccl.pair_features`): Recall@K between their two modalities' learner outputs, and
-    the drift of their alignment matrix once learned (`hf_ccl.evaluation.pairs`).
+    the drift of their alignment matrix once learned (`hf_ccl.evaluation.pairs`). Each task's kind scores it
+    (`Task.kind_spec.evaluate`, `hf_ccl.data.kinds`), so a registered kind of one's own is scored its own way.
     With `cache` (an `EmbeddingCache.session` of this model), embeddings whose producers did not change since they
     were computed are reused (`hf_ccl.evaluation.cache`). The model's training mode is restored afterwards.
     Non-finite embeddings (a diverged model) raise `NonFiniteEmbeddingError` naming the task, never a score.
     """
+    setup = EvalSetup(image_processor, tokenizer, batch_size=batch_size, max_length=max_length,
+                      chunk_size=chunk_size, cache=cache, seen_class_names=seen_class_names)
     try:
-        if task.kind == "pair":
-            metrics = evaluate_pair_task(model, task)
-        elif task.kind == "retrieval":
-            metrics = _evaluate_retrieval(
-                model, task, image_processor, tokenizer, batch_size, max_length, chunk_size, cache
-            )
-        else:
-            metrics = _evaluate_classification(model, task, image_processor, tokenizer, batch_size, max_length, cache,
-                                               seen_class_names)
+        metrics = task.kind_spec.evaluate(model, task, setup)
     except NonFiniteEmbeddingError as error:
         raise NonFiniteEmbeddingError(f"task {task.name!r}, eval split: {error}") from error
     if task.headline_metric not in metrics:

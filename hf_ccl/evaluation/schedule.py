@@ -77,7 +77,7 @@ class StreamEvaluator:
                 model, self.task(task), image_processor, tokenizer, batch_size=batch_size, max_length=max_length,
                 cache=session,
                 seen_class_names=(seen_class_names(tasks[:trained], task)
-                                  if self.class_scope == "seen" and task.kind == "classification" else None))
+                                  if self.class_scope == "seen" and task.kind_spec.has_classes else None))
             for task in tasks
         }
 

@@ -35,6 +35,7 @@ import torch
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase, TrainingArguments
 
+from ..data.kinds import ModelPart
 from ..validation import ConfigError, check_mapping, type_hints
 from .loading import CheckpointLoader
 
@@ -164,6 +165,9 @@ class ContinualMethod:
     #: True when the method is correct on pair tasks (CMCL's learner heads on cached features, `learner_heads`):
     #: its hooks handle feature batches of one modality pair per task. Others are refused on pair streams.
     trains_pair_tasks: ClassVar[bool] = False
+    #: The part of the model the method adds for the tasks whose kind trains it (`TaskKind.trains`): the
+    #: `learner_heads` method attaches `ModelPart.LEARNER_HEADS`, which a pair stream needs. None: it adds none.
+    attaches: ClassVar[ModelPart | None] = None
     #: True when the method trains a task on rows of earlier tasks too (replay, joint training): a cross-entropy loss
     #: (`classification_loss: cross_entropy`) then also encodes the earlier tasks' class prompts, each row scored
     #: among its own task's classes (`hf_ccl.class_prompts`).

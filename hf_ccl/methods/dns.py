@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..data.kinds import ModelPart
 from ..distributed import all_reduce_sum_
 from .base import ContinualMethod, MethodConfig, TaskContext
 from .projection import (
@@ -282,9 +283,10 @@ class DNS(ContinualMethod):
 
     def _head_partners(self, model: nn.Module, task: Task | None) -> dict[str, str]:
         """The chosen heads of the task's pair (a, b): {head a: head b, head b: head a} (spec §2.3 "any pair")."""
-        if task is None or task.kind != "pair":
+        if task is None or task.kind_spec.trains is not ModelPart.LEARNER_HEADS:
             kind = None if task is None else task.kind
-            raise ValueError(f"dns on learner heads projects pair tasks (kind 'pair'), got a task of kind {kind!r}")
+            raise ValueError(f"dns on learner heads projects pair tasks (which train learner heads), got a task of "
+                             f"kind {kind!r}")
         chosen = head_layers(model, self.config.layers)
         head_a, head_b = (f"{HEADS_PREFIX}{modality}" for modality in task.modalities)
         return {layer: partner for layer, partner in ((head_a, head_b), (head_b, head_a)) if layer in chosen}

@@ -77,6 +77,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..data.kinds import ModelPart
 from ..data.streaming import is_streaming
 from ..pair_features import FEATURE_COLUMNS, PairFeatureCollator
 from ..validation import ConfigError, check_range
@@ -264,6 +265,11 @@ def in_dtype(batch: Mapping[str, Any], dtype: torch.dtype) -> dict[str, Any]:
     return {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in batch.items()}
 
 
+def trains_heads(task: Task) -> bool:
+    """Whether `task` trains learner heads on cached features (a pair task, CMCL) rather than the towers."""
+    return task.kind_spec.trains is ModelPart.LEARNER_HEADS
+
+
 def head_parameter_ids(model: nn.Module, modalities: Sequence[str]) -> set[int]:
     """Ids of the parameters of the learner heads of `modalities` (none on a model without heads)."""
     heads = getattr(model, "learner_heads", None)
@@ -394,14 +400,14 @@ class EpisodicMemoryMethod(ContinualMethod):
 
         def constrains(memory: TaskMemory) -> bool:
             task = self.memory_task(context, memory)
-            return task.kind != "pair" or bool(ids & head_parameter_ids(model, task.modalities))
+            return not trains_heads(task) or bool(ids & head_parameter_ids(model, task.modalities or ()))
 
         return [memory for memory in memories if constrains(memory)]
 
     def _memory_collator(self, context: TaskContext, task: Task) -> Any:
         """What batches a memory: a pair task's own `PairFeatureCollator` (its modalities, whichever pair trains
         now), else the run's eval-mode CLIP collator."""
-        if task.kind == "pair":
+        if trains_heads(task) and task.modalities is not None:
             return PairFeatureCollator(task.modalities)
         if context.collator is None:
             raise ValueError(f"{self.name} needs context.collator (an eval-mode CLIPCollator, set by ContinualLearner)")
@@ -415,7 +421,7 @@ class EpisodicMemoryMethod(ContinualMethod):
         if memory.task_index not in self._collated:
             task = self.memory_task(context, memory)
             batch = self._memory_collator(context, task)([task.train[row] for row in memory.rows])
-            columns = FEATURE_COLUMNS if task.kind == "pair" else MEMORY_COLUMNS
+            columns = FEATURE_COLUMNS if trains_heads(task) else MEMORY_COLUMNS
             self._collated[memory.task_index] = {k: batch[k].to(device) for k in columns if k in batch}
         return self._collated[memory.task_index]
 
@@ -429,7 +435,7 @@ class EpisodicMemoryMethod(ContinualMethod):
         """A collated memory batch on `device`: for each (memory, positions) the rows at `positions` of that memory
         (None: all), concatenated; `order` then permutes the rows. Equal to the collator's batch of those rows. A pair
         task's memory is batched alone (its own heads and negatives), with its modality names."""
-        pair = [m.task_index for m, _ in parts if self.memory_task(context, m).kind == "pair"]
+        pair = [m.task_index for m, _ in parts if trains_heads(self.memory_task(context, m))]
         if pair and len({m.task_index for m, _ in parts}) > 1:
             raise ValueError(f"{self.name}: pair memories are batched one task at a time, got tasks "
                              f"{sorted({m.task_index for m, _ in parts})}")
@@ -647,7 +653,7 @@ class AGEM(EpisodicMemoryMethod):
         """g_ref: the gradient of the contrastive loss on this step's memory batch w.r.t. `params` (on pair tasks,
         of Σ_k (n_k / n) L_k over the tasks drawn from: `pair_reference_gradient`)."""
         parts, order = self.reference_rows(context)
-        if self.memory_task(context, parts[0][0]).kind == "pair":
+        if trains_heads(self.memory_task(context, parts[0][0])):
             return self.pair_reference_gradient(model, context, params, parts)
         batch = self.memory_batch(context, parts, params[0].device, order)
         return self.loss_gradient(model, context, params, batch)

@@ -1,7 +1,7 @@
 """Learner heads on a frozen CLIP, CMCL's setting (Liu et al., "Continual Multimodal Contrastive Learning", NeurIPS
 2025; spec cmcl.md §2.1, §2.6), as a model change at task start.
 
-At every pair task's start (`Task.kind == "pair"`) the model gets its per-modality heads (`hf_ccl.heads`:
+At every pair task's start (a task whose kind trains `ModelPart.LEARNER_HEADS`) the model gets its per-modality heads (`hf_ccl.heads`:
 identity-initialised d×d linears after the projections, one per modality of the stream) as
 `model.learner_heads`; every CLIP parameter is frozen and only the current pair's two heads train (spec §2.1). The
 batches are the task's cached frozen features (`hf_ccl.pair_features`), and the loss is Eq. (2) on the heads'
@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..data.kinds import ModelPart
 from ..heads import SIMILARITIES, LearnerHeads
 from .base import ContinualMethod, MethodConfig, TaskContext
 from .registry import register_method
@@ -67,6 +68,7 @@ class LearnerHeadsMethod(ContinualMethod):
     name = "learner_heads"
     config_class = LearnerHeadsConfig
     trains_pair_tasks = True
+    attaches = ModelPart.LEARNER_HEADS
     roles = {
         "learner_heads": "trains per-modality heads on the frozen CLIP's cached features",
         "parameter_efficient": "freezes the whole CLIP but for the current pair's learner heads",
@@ -82,10 +84,10 @@ class LearnerHeadsMethod(ContinualMethod):
 
     def check_stream(self, stream: Any) -> None:
         """Only pair streams, and the folded modalities must be in them (before anything trains)."""
-        kinds = {task.kind for task in stream}
-        if kinds != {"pair"}:
-            raise ValueError(f"learner_heads trains pair tasks (kind 'pair') only; stream {stream.name!r} has "
-                             f"{sorted(kinds)} tasks")
+        others = sorted({task.kind for task in stream if task.kind_spec.trains is not ModelPart.LEARNER_HEADS})
+        if others:
+            raise ValueError(f"learner_heads trains pair tasks (learner heads on cached features) only; stream "
+                             f"{stream.name!r} has {others} tasks")
         missing = [m for m in self.config.fold or () if m not in stream.modalities]
         if missing:
             raise ValueError(f"learner_heads: fold modality(ies) {missing} are not in the stream's modalities "

@@ -51,15 +51,13 @@ DEFAULT_ALPHAS = [round(0.1 * k, 1) for k in range(11)]
 # with `wise_ft`)
 # ----------------------------------------------------------------------------------------------------------------
 def task_score(metrics: Mapping[str, float], task: Task, metric: str | None = None) -> float:
-    """The number alpha is chosen by: `metric` if given, else R@1 (mean of both directions) for retrieval tasks and
-    zero-shot accuracy for classification tasks."""
+    """The number alpha is chosen by: `metric` if given, else the task kind's (`TaskKind.selection_score`): R@1
+    (mean of both directions) for retrieval tasks and zero-shot accuracy for classification tasks."""
     if metric is not None:
         if metric not in metrics:
             raise ValueError(f"Patching metric {metric!r} is not among {sorted(metrics)} of task {task.name!r}")
         return float(metrics[metric])
-    if task.kind == "retrieval":
-        return (float(metrics["i2t_R@1"]) + float(metrics["t2i_R@1"])) / 2.0
-    return float(metrics["accuracy"])
+    return task.kind_spec.selection_score(metrics)
 
 
 def select_alpha(alphas: Sequence[float], score: Callable[[float], float]) -> tuple[float, list[tuple[float, float]]]:

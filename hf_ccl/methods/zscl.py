@@ -138,7 +138,7 @@ class ZSCL(ContinualMethod):
         self._reference: ReferenceData | None = None
 
     def check_stream(self, stream: Any) -> None:
-        if any(task.kind == "pair" for task in stream):
+        if not all(task.kind_spec.has_images for task in stream):
             raise ValueError("zscl trains image-text tasks; a pair stream's tasks have no images and captions")
 
     def check_task_steps(self, task_index: int, task_name: str, steps: int) -> None:
