@@ -25,8 +25,10 @@ _PUBLIC: dict[str, str] = {
     "family_class": "hf_ccl.families",
     # data
     "Task": "hf_ccl.data",
+    "TaskKind": "hf_ccl.data.kinds",
     "TaskStream": "hf_ccl.data",
     "build_stream": "hf_ccl.data",
+    "register_task_kind": "hf_ccl.data.kinds",
     "load_image_processor": "hf_ccl.data",
     "load_tokenizer": "hf_ccl.data",
     "stream_by_class": "hf_ccl.data",
@@ -62,6 +64,7 @@ __all__ = [
     "Task",
     "TaskCallback",
     "TaskContext",
+    "TaskKind",
     "TaskStream",
     "available_methods",
     "build_methods",
@@ -71,6 +74,7 @@ __all__ = [
     "load_image_processor",
     "load_tokenizer",
     "register_method",
+    "register_task_kind",
     "stream_by_class",
     "stream_by_column",
     "stream_by_time",
@@ -95,6 +99,7 @@ if TYPE_CHECKING:
         stream_from_datasets,
         stream_random_split,
     )
+    from .data.kinds import TaskKind, register_task_kind
     from .evaluation.matrix import ResultsMatrix
     from .families import family_class
     from .methods import (

@@ -21,7 +21,7 @@ import torch
 from transformers import TrainerCallback
 
 from hf_ccl.continual import ContinualArguments, ContinualLearner
-from hf_ccl.data import build_stream, load_tokenizer
+from hf_ccl.data import ModelPart, build_stream, load_tokenizer
 from hf_ccl.families import FAMILIES, default_image_processor
 from hf_ccl.methods import METHODS as METHOD_CLASSES
 from hf_ccl.methods import available_methods, build_methods
@@ -63,7 +63,7 @@ REPRESENTATIVE = {name for name in METHODS if name not in SAME_STEP_AS}
 REPRESENTATIVE_MATRIX = [name if name in REPRESENTATIVE else pytest.param(name, marks=pytest.mark.slow)
                          for name in METHODS]
 #: Methods that train pair tasks only (learner heads on cached features): they run on a pair stream.
-PAIR_ONLY = {name for name in METHODS if "learner_heads" in METHOD_CLASSES[name].roles}
+PAIR_ONLY = {name for name in METHODS if METHOD_CLASSES[name].attaches is ModelPart.LEARNER_HEADS}
 #: The other families (CLIP runs `MATRIX`).
 OTHER_FAMILIES = [family for family in FAMILIES if family != "clip"]
 

@@ -11,7 +11,7 @@ from datasets import Dataset, DatasetDict, Features, IterableDataset, Value, loa
 from datasets import Image as ImageFeature
 from PIL import Image as PILImage
 
-import hf_ccl.continual as continual_module
+import hf_ccl.data.collate as collate_module
 from hf_ccl.continual import ContinualArguments, ContinualLearner, validate_stream
 from hf_ccl.data import (
     CANONICAL_COLUMNS,
@@ -258,7 +258,7 @@ def test_short_run_spends_the_budget(tmp_path, shared_data_root, monkeypatch, st
     stream = build_stream("fashion-years", data_root=shared_data_root, streaming=streaming, max_train_per_task=20,
                           max_eval_per_task=12)
     stream.tasks = stream.tasks[:2]
-    monkeypatch.setattr(continual_module, "CLIPCollator", _CountingCollator)
+    monkeypatch.setattr(collate_module, "CLIPCollator", _CountingCollator)  # what the task kind batches with
     _CountingCollator.sizes = []
     args = ContinualArguments(
         output_dir=str(tmp_path), samples_per_task=48, progress=False, save_checkpoints=False, evaluate_initial=False,
