@@ -25,10 +25,10 @@ _PUBLIC: dict[str, str] = {
     "family_class": "hf_ccl.families",
     # data
     "Task": "hf_ccl.data",
-    "TaskKind": "hf_ccl.data.kinds",
+    "TaskKind": "hf_ccl.data",
     "TaskStream": "hf_ccl.data",
     "build_stream": "hf_ccl.data",
-    "register_task_kind": "hf_ccl.data.kinds",
+    "register_task_kind": "hf_ccl.data",
     "load_image_processor": "hf_ccl.data",
     "load_tokenizer": "hf_ccl.data",
     "stream_by_class": "hf_ccl.data",
@@ -89,17 +89,18 @@ if TYPE_CHECKING:
     from .continual import ContinualArguments, ContinualLearner
     from .data import (
         Task,
+        TaskKind,
         TaskStream,
         build_stream,
         load_image_processor,
         load_tokenizer,
+        register_task_kind,
         stream_by_class,
         stream_by_column,
         stream_by_time,
         stream_from_datasets,
         stream_random_split,
     )
-    from .data.kinds import TaskKind, register_task_kind
     from .evaluation.matrix import ResultsMatrix
     from .families import family_class
     from .methods import (

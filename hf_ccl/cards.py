@@ -26,7 +26,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .callbacks import StreamControl, StreamState, TaskCallback
 from .compute import cost_table, task_records
-from .data.kinds import find_task_kind
+from .data.task import find_task_kind
 from .evaluation.matrix import DERIVED_DESCRIPTIONS, INITIAL_LABEL, RESULTS_JSON, ResultsMatrix
 from .processors import AUTO_MAP_NOTE
 from .version import __version__

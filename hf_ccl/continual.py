@@ -50,10 +50,9 @@ from .checkpointing import (  # noqa: F401  (re-exported: public names of this m
 from .class_prompts import CLASS_SCOPES, CLASSIFICATION_LOSSES, ClassPrompts
 from .compute import ComputeCallback, TaskCompute, global_batch_size, phase_timer
 from .data.image_cache import cached_pixels_dataset, check_image_cache
-from .data.kinds import CollatorSetup, ModelPart
 from .data.reference import ReferenceBatches
 from .data.streaming import column_names, is_empty, is_streaming, whole_batches
-from .data.task import TaskStream
+from .data.task import CollatorSetup, ModelPart, TaskStream
 from .data.workers import dataloader_defaults, training_device_type
 from .distributed import barrier, broadcast_object, is_main_process, launch_defaults, world_size
 from .evaluation.checks import NonFiniteEmbeddingError

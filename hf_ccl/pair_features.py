@@ -21,8 +21,7 @@ import torch
 import torch.nn.functional as F
 from datasets import Dataset
 
-from .data.kinds import ModelPart
-from .data.task import Task, TaskStream
+from .data.task import ModelPart, Task, TaskStream
 from .evaluation.encode import encode_images, encode_texts
 
 if TYPE_CHECKING:

@@ -64,7 +64,7 @@ def test_registry_refuses_duplicates_and_unknown_kinds():
     with pytest.raises(ConfigError) as refused:
         Task("x", rows, rows, kind="toy-nope")
     assert str(refused.value) == ("Task 'x': unknown task kind 'toy-nope'; valid kinds: classification, pair, "
-                                  "retrieval (a new one is registered with hf_ccl.data.kinds.register_task_kind)")
+                                  "retrieval (a new one is registered with hf_ccl.data.register_task_kind)")
 
     class Twin(RetrievalKind):
         name = "retrieval"

@@ -57,7 +57,6 @@ from .canonical import (
     validate_images,
 )
 from .images import PathBase
-from .kinds import get_task_kind
 from .source_streams import RowFilter, canonical_stream, matching_strings, step_filter, where_filter
 from .sources import (
     DatasetSource,
@@ -69,7 +68,7 @@ from .sources import (
     stream_split,
 )
 from .streaming import DEFAULT_SHUFFLE_BUFFER, column_names, to_streaming
-from .task import Task, TaskStream
+from .task import Task, TaskStream, get_task_kind
 from .timesteps import TimeSteps, column_kind
 
 __all__ = [

@@ -20,19 +20,26 @@ caption, a feature vector; default the modality names). One row is one pair; its
 streaming `datasets.IterableDataset` with the same columns (see `hf_ccl.data.streaming`); `eval` is always a `Dataset`.
 
 Rows a builder leaves out are counted on the stream (`TaskStream.dropped`, see `hf_ccl.data.dropped`).
+
+A task's kind is a registered `TaskKind` (the contract and its registry are here, beside `Task`; the built-in kinds
+in `hf_ccl.data.kinds`): code asks `task.kind_spec` for behaviour and never compares kind names.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import enum
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from datasets import Dataset, IterableDataset
 
-from .kinds import CANONICAL_COLUMNS, TASK_KINDS, TaskKind, get_task_kind
+from ..validation import ConfigError
 
-__all__ = ["CANONICAL_COLUMNS", "NO_TASK", "TASK_KINDS", "Task", "TaskKind", "TaskStream"]
+if TYPE_CHECKING:
+    import torch
 
+CANONICAL_COLUMNS = ("image", "texts", "image_id", "label")
 #: The key of `TaskStream.dropped` for rows that fall in no task.
 NO_TASK = "(no task)"
 
@@ -141,3 +148,152 @@ class TaskStream:
         if any(self.unassigned.values()):
             report[NO_TASK] = self.unassigned
         return report
+
+
+# ----- task kinds: the contract and the registry (the built-in kinds: hf_ccl.data.kinds) ----------------------------
+class ModelPart(enum.Enum):
+    """What a task trains, and so how its batches reach the model."""
+
+    #: The dual encoder's towers, on raw image-text batches (`hf_ccl.data.collate.CLIPCollator`): the image cache,
+    #: the exact contrastive accumulation and the spatial-disorder diagnostics apply.
+    TOWERS = "towers"
+    #: Per-modality learner heads on the frozen towers' features, encoded once per run (`hf_ccl.pair_features`;
+    #: CMCL). A method must attach the heads (`ContinualMethod.attaches`), the towers stay frozen, and a step is one
+    #: micro-batch.
+    LEARNER_HEADS = "learner_heads"
+
+
+@dataclass
+class CollatorSetup:
+    """What a kind's collators are built from, for one task of a run (`TaskKind.collators`)."""
+
+    image_processor: Any
+    tokenizer: Any
+    max_length: int
+    seed: int
+    num_workers: int = 0
+    padding: str = "longest"
+    #: Collator options the methods and the loss asked for (`ContinualMethod.collator_options`, `class_labels`).
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EvalSetup:
+    """What a kind's evaluation reads besides the model and the task (`TaskKind.evaluate`)."""
+
+    image_processor: Any
+    tokenizer: Any
+    batch_size: int = 256
+    max_length: int | None = None
+    chunk_size: int = 1024
+    #: An `hf_ccl.evaluation.cache.CacheSession` of this model, or None.
+    cache: Any = None
+    #: The classes a task with classes is also scored among (the `"seen"` scope, `seen_accuracy`), or None.
+    seen_class_names: Sequence[str] | None = None
+
+
+Collator = Callable[[Sequence[Mapping[str, Any]]], dict[str, Any]]
+
+
+class TaskKind:
+    """One kind of task. Subclass it (or a built-in kind), set the class attributes, override what differs, and
+    register it with `@register_task_kind`. The built-in kinds are in `hf_ccl.data.kinds`."""
+
+    name: ClassVar[str] = ""
+    #: How a task of this kind is scored, in words (the model card's evaluation protocol).
+    description: ClassVar[str] = ""
+    #: The metric placed in the results matrix for a task of this kind (`evaluate` must return it).
+    headline_metric: ClassVar[str] = ""
+    #: The headline in the `"seen"` class scope (scored among the classes of every task trained so far), for kinds
+    #: with classes; None: the scope does not change it.
+    seen_headline_metric: ClassVar[str | None] = None
+    #: What a task of this kind trains (`ModelPart`).
+    trains: ClassVar[ModelPart] = ModelPart.TOWERS
+    #: Tasks have `class_names` and labelled rows: class prompts (the cross-entropy loss), the `"seen"` class scope,
+    #: prompt-template ensembles and class-stratified eval subsamples apply.
+    has_classes: ClassVar[bool] = False
+    #: Tasks name two modalities (`Task.modalities`) and the columns holding them.
+    has_modalities: ClassVar[bool] = False
+
+    @property
+    def has_images(self) -> bool:
+        """Whether rows carry images the model's towers read (an image cache and image-text diagnostics apply)."""
+        return self.trains is ModelPart.TOWERS
+
+    def headline(self, class_scope: str = "task") -> str:
+        """The headline metric of a task of this kind under `class_scope` (`ContinualArguments.class_scope`)."""
+        return self.seen_headline_metric if class_scope == "seen" and self.seen_headline_metric else self.headline_metric
+
+    def required_columns(self, task: Task) -> tuple[str, ...]:
+        """The columns both splits of `task` must have."""
+        return tuple(task.columns) if self.has_modalities and task.columns is not None else CANONICAL_COLUMNS
+
+    def check_task(self, task: Task) -> None:
+        """Refuse (ValueError, one line) a task whose fields do not fit the kind, when the task is made."""
+        if self.has_classes and not task.class_names:
+            raise ValueError(f"Task {task.name!r}: a {self.name} task needs class_names")
+        if self.has_modalities != (task.modalities is not None):
+            raise ValueError(f"Task {task.name!r}: a pair task, and only a pair task, names its two modalities "
+                             f"(kind {self.name!r} {'needs' if self.has_modalities else 'takes no'} modalities)")
+
+    def chance_level(self, examples: int | None, classes: int | None) -> float | None:
+        """The headline score (%) of a random guess on `examples` eval rows among `classes`; None if not known."""
+        return None
+
+    def selection_score(self, metrics: Mapping[str, float]) -> float:
+        """The number a model is chosen by among candidates on a task of this kind (Patching's alpha): the headline."""
+        return float(metrics[self.headline_metric])
+
+    def collators(self, task: Task, setup: CollatorSetup) -> tuple[Collator, Collator]:
+        """The task's training collator and its eval-mode twin (what task-end hooks run the model over)."""
+        raise NotImplementedError(f"task kind {self.name!r} does not say how its tasks are batched (TaskKind.collators)")
+
+    def evaluate(self, model: torch.nn.Module, task: Task, setup: EvalSetup) -> dict[str, float]:
+        """Every metric of `model` on `task.eval`, the headline included."""
+        raise NotImplementedError(f"task kind {self.name!r} does not say how its tasks are evaluated (TaskKind.evaluate)")
+
+    def __repr__(self) -> str:
+        return f"<task kind {self.name!r}>"
+
+
+TASK_KINDS: dict[str, TaskKind] = {}
+
+
+_Kind = TypeVar("_Kind", bound=TaskKind)
+
+
+def register_task_kind(cls: type[_Kind]) -> type[_Kind]:
+    """Class decorator: make a task kind available by its `name` (`Task(kind=name)`); one instance serves every task
+    of the kind."""
+    if not cls.name or not cls.headline_metric:
+        raise ValueError(f"{cls.__name__} needs a `name` and a `headline_metric` to be registered")
+    if cls.name in TASK_KINDS and type(TASK_KINDS[cls.name]) is not cls:
+        raise ValueError(f"A task kind named {cls.name!r} is already registered "
+                         f"({type(TASK_KINDS[cls.name]).__name__})")
+    if cls.name not in TASK_KINDS:
+        TASK_KINDS[cls.name] = cls()
+    return cls
+
+
+def unregister_task_kind(name: str) -> None:
+    """Remove a kind registered by `register_task_kind` (a test's or a plugin's own)."""
+    TASK_KINDS.pop(name, None)
+
+
+def available_task_kinds() -> list[str]:
+    return sorted(TASK_KINDS)
+
+
+def find_task_kind(name: Any) -> TaskKind | None:
+    """The registered kind named `name`, or None (a kind named in a saved file that this process has not registered)."""
+    return TASK_KINDS.get(name) if isinstance(name, str) else None
+
+
+def get_task_kind(name: str, where: str = "") -> TaskKind:
+    """The registered kind named `name`; an unknown name is refused in one line (after `where`) naming the valid
+    ones."""
+    kind = find_task_kind(name)
+    if kind is None:
+        raise ConfigError(f"{where}unknown task kind {name!r}; valid kinds: {', '.join(available_task_kinds())} "
+                          "(a new one is registered with hf_ccl.data.register_task_kind)")
+    return kind

@@ -13,8 +13,7 @@ from typing import Any
 import torch
 from datasets import Dataset
 
-from ..data.kinds import EvalSetup
-from ..data.task import Task
+from ..data.task import EvalSetup, Task
 from .cache import CacheSession, EmbeddingCache
 from .checks import NonFiniteEmbeddingError
 from .encode import encode_images, encode_texts

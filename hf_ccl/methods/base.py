@@ -35,7 +35,7 @@ import torch
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase, TrainingArguments
 
-from ..data.kinds import ModelPart
+from ..data.task import ModelPart
 from ..validation import ConfigError, check_mapping, type_hints
 from .loading import CheckpointLoader
 

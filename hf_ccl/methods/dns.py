@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..data.kinds import ModelPart
+from ..data.task import ModelPart
 from ..distributed import all_reduce_sum_
 from .base import ContinualMethod, MethodConfig, TaskContext
 from .projection import (

@@ -77,8 +77,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..data.kinds import ModelPart
 from ..data.streaming import is_streaming
+from ..data.task import ModelPart
 from ..pair_features import FEATURE_COLUMNS, PairFeatureCollator
 from ..validation import ConfigError, check_range
 from .base import ContinualMethod, MethodConfig, TaskContext

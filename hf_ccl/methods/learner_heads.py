@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..data.kinds import ModelPart
+from ..data.task import ModelPart
 from ..heads import SIMILARITIES, LearnerHeads
 from .base import ContinualMethod, MethodConfig, TaskContext
 from .registry import register_method
