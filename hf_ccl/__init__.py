@@ -14,7 +14,12 @@ from .version import __version__
 #: Public name -> the module that defines it.
 _PUBLIC: dict[str, str] = {
     # the loop
-    "ContinualArguments": "hf_ccl.continual",
+    "ContinualArguments": "hf_ccl.arguments",
+    "CardArguments": "hf_ccl.arguments",
+    "DiagnosticsArguments": "hf_ccl.arguments",
+    "EvaluationArguments": "hf_ccl.arguments",
+    "HubArguments": "hf_ccl.arguments",
+    "PairArguments": "hf_ccl.arguments",
     "ContinualLearner": "hf_ccl.continual",
     "ContinualTrainer": "hf_ccl.trainer",
     "ResultsMatrix": "hf_ccl.evaluation.matrix",
@@ -52,13 +57,18 @@ _PUBLIC: dict[str, str] = {
 
 __all__ = [
     "__version__",
+    "CardArguments",
     "ContinualArguments",
     "ContinualCLIPModel",
     "ContinualDualEncoder",
     "ContinualLearner",
     "ContinualMethod",
     "ContinualTrainer",
+    "DiagnosticsArguments",
+    "EvaluationArguments",
+    "HubArguments",
     "MethodConfig",
+    "PairArguments",
     "ResultsMatrix",
     "RunConfig",
     "Task",
@@ -84,9 +94,17 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from .arguments import (
+        CardArguments,
+        ContinualArguments,
+        DiagnosticsArguments,
+        EvaluationArguments,
+        HubArguments,
+        PairArguments,
+    )
     from .callbacks import TaskCallback
     from .config import RunConfig, load_config
-    from .continual import ContinualArguments, ContinualLearner
+    from .continual import ContinualLearner
     from .data import (
         Task,
         TaskKind,

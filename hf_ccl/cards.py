@@ -32,7 +32,7 @@ from .processors import AUTO_MAP_NOTE
 from .version import __version__
 
 if TYPE_CHECKING:
-    from .continual import ContinualArguments
+    from .arguments import ContinualArguments
 
 logger = logging.getLogger(__name__)
 
@@ -544,4 +544,4 @@ class ModelCardCallback(TaskCallback):
 
     def on_save(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
         if kwargs["task_folder"]:
-            write_model_card(kwargs["folder"], repo_id=args.hub_model_id)
+            write_model_card(kwargs["folder"], repo_id=args.hub.model_id)

@@ -70,14 +70,14 @@ def find_resume_checkpoint(learner: ContinualLearner) -> Path | None:
                              f"with {CHECKPOINT_STATE}) there")
         return found
     found = latest_task_checkpoint(learner.output_dir)
-    if found is None and learner.args.hub_model_id is not None:
+    if found is None and learner.args.hub.model_id is not None:
         found = download_latest_from_hub(learner)
     if found is None and request is True and broadcast_object(
             newest_complete_trainer_checkpoint(learner.output_dir / "trainer" / "task-0") if is_main_process() else None):
         logger.info("No task checkpoint yet in %s: task 0 resumes from its Trainer checkpoint", learner.output_dir)
         return None
     if found is None and request is True:
-        where = str(learner.output_dir) + (f" or on the Hub at {learner.args.hub_model_id}" if learner.args.hub_model_id
+        where = str(learner.output_dir) + (f" or on the Hub at {learner.args.hub.model_id}" if learner.args.hub.model_id
                                         else "")
         raise ValueError(f"resume_from_checkpoint=True but there is no complete task checkpoint in {where}; use "
                          "'auto' to start afresh when there is none")
@@ -85,9 +85,9 @@ def find_resume_checkpoint(learner: ContinualLearner) -> Path | None:
 
 
 def download_latest_from_hub(learner: ContinualLearner) -> Path | None:
-    """Fetch the newest `task-<k>` revision of `hub_model_id` into output_dir (main process; others wait)."""
-    repo = learner.args.hub_model_id
-    bounded_hub_timeouts(learner.args.hub_timeout)  # the download gets bounded timeouts too
+    """Fetch the newest `task-<k>` revision of `hub.model_id` into output_dir (main process; others wait)."""
+    repo = learner.args.hub.model_id
+    bounded_hub_timeouts(learner.args.hub.timeout)  # the download gets bounded timeouts too
     branches = task_branches(repo)
     if not branches:
         return None
@@ -311,7 +311,7 @@ def save_checkpoint(learner: ContinualLearner, index: int) -> Path:
             "hf_ccl_version": __version__,
             "settings": learner.settings,
             "resume_changes": learner.resume_changes,
-            "card_license": learner.args.card_license,
+            "card_license": learner.args.card.license,
             "evaluation": [evaluation_protocol(task) for task in learner.stream],
         }
         (partial / CHECKPOINT_STATE).write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")

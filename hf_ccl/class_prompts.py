@@ -39,13 +39,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .arguments import CLASS_SCOPES, CLASSIFICATION_LOSSES  # noqa: F401 (re-exported)
 from .data.canonical import DEFAULT_TRAIN_TEMPLATES
 from .data.task import Task
 from .data.templates import format_template
 from .losses import sigmoid_contrastive_loss
 
-CLASSIFICATION_LOSSES = ("contrastive", "cross_entropy")
-CLASS_SCOPES = ("task", "seen")
 #: The name of the cross-entropy term in the logged losses.
 CROSS_ENTROPY_TERM = "class_cross_entropy"
 

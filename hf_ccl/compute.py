@@ -56,7 +56,7 @@ import torch
 from .callbacks import StreamControl, StreamState, TaskCallback
 
 if TYPE_CHECKING:
-    from .continual import ContinualArguments
+    from .arguments import ContinualArguments
 from .distributed import all_reduce_sum_, world_size
 from .files import write_text_atomic
 

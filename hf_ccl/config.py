@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from .continual import ContinualArguments
+from .arguments import RENAMED_KEYS, SECTIONS, ContinualArguments, check_renamed_keys
 from .families import FAMILIES, family_of
 from .files import write_text_atomic
 from .modeling import tiny_clip_config
@@ -97,16 +97,16 @@ class RunConfig:
         self.validate()
 
     def validate(self) -> ContinualArguments:
-        """Check the type of every value, the model section, and every loop field as `ContinualArguments` checks it
-        (ranges, consistency, the `training` section); converted values are stored back. Returns the loop's
-        arguments so checked. Streams, methods and paths are checked by `hf_ccl.run.check_config`, before anything
-        is built."""
+        """Check the type of every value of the run's own fields, the model section, and the loop's fields as
+        `ContinualArguments` checks them (ranges, consistency, the `training` section and the sections); converted
+        values are stored back. Returns the loop's arguments so checked. Streams, methods and paths are checked by
+        `hf_ccl.run.check_config`, before anything is built."""
         check_no_tokens(self)  # before any value is echoed in an error or written
         if isinstance(self.methods, str):
             self.methods = [self.methods]
         if isinstance(self.method_args, dict):  # `name:` with no options reads as null in YAML
             self.method_args = {name: options or {} for name, options in self.method_args.items()}
-        check_dataclass(self)
+        check_dataclass(self, names=run_fields())
         known_keys(self.model, MODEL_KEYS, "model option(s)")
         self.model = {"pretrained": None, "config": {}, "family": None, **self.model}
         check_value("model.pretrained", self.model["pretrained"], str | None)
@@ -123,10 +123,18 @@ class RunConfig:
         if self.model["pretrained"] is not None and self.model["config"]:
             raise ConfigError("model.config describes a random model and has no effect with model.pretrained: "
                               "remove one of them (override model.config={} to keep the checkpoint)")
-        args = self.continual_arguments()  # ranges and the training section; converted values come back
+        args = self.continual_arguments()  # ranges, the training section and the sections; converted values back
         for name in continual_fields():
             setattr(self, name, copy.deepcopy(getattr(args, name)))
+        self._checked = (self.to_dict(), args)
         return args
+
+    def checked_arguments(self) -> ContinualArguments:
+        """The loop's arguments as `validate` made them, validating again only when a value changed since."""
+        checked = getattr(self, "_checked", None)
+        if checked is not None and checked[0] == self.to_dict():
+            return checked[1]
+        return self.validate()
 
     def continual_arguments(self) -> ContinualArguments:
         """The `ContinualArguments` of this run (a copy of every loop field, checked)."""
@@ -163,6 +171,12 @@ def check_model_config(values: dict[str, Any], family: str = "clip") -> None:
                           "a SigLIP embeds into its hidden size", "model.config.projection_dim")
 
 
+def run_fields() -> list[str]:
+    """The run's own config keys (stream, model, methods, ...), without the loop's."""
+    loop = set(continual_fields())
+    return [item.name for item in dataclasses.fields(RunConfig) if item.name not in loop]
+
+
 def config_fields() -> list[str]:
     """Every config key: the run's own, then the loop's."""
     return [f.name for f in dataclasses.fields(RunConfig)]
@@ -183,15 +197,33 @@ def default_value(item: dataclasses.Field) -> Any:
 
 def config_keys_help(width: int = 100) -> str:
     """Every config key with what it takes, its default and its help, for `hf-ccl train --help`."""
-    hints = type_hints(RunConfig)
     lines = ["config keys (YAML keys of --config, or overrides key=value / section.key=value):"]
-    for item in dataclasses.fields(RunConfig):
-        default = default_value(item)
-        shown = "required" if default is dataclasses.MISSING else f"default {yaml_text(default)}"
-        lines.append(f"  {item.name}: {describe(hints[item.name])} ({shown})")
-        lines += textwrap.wrap(item.metadata.get("help", ""), width, initial_indent=" " * 6, subsequent_indent=" " * 6,
-                               break_on_hyphens=False)
+    for name, item, hint in _help_fields(RunConfig):
+        if name in SECTIONS:
+            lines.append(f"  {name}: a section ({', '.join(f.name for f in dataclasses.fields(SECTIONS[name]))})")
+            lines += _wrapped(item.metadata.get("help", ""), width)
+            for key, sub, sub_hint in _help_fields(SECTIONS[name]):
+                lines.append(f"    {name}.{key}: {_shown(sub_hint, default_value(sub))}")
+                lines += _wrapped(sub.metadata.get("help", ""), width, 8)
+            continue
+        lines.append(f"  {name}: {_shown(hint, default_value(item))}")
+        lines += _wrapped(item.metadata.get("help", ""), width)
     return "\n".join(lines)
+
+
+def _help_fields(cls: type) -> list[tuple[str, dataclasses.Field, Any]]:
+    hints = type_hints(cls)
+    return [(item.name, item, hints[item.name]) for item in dataclasses.fields(cls) if item.init]
+
+
+def _shown(hint: Any, default: Any) -> str:
+    """What a key takes and its default: "a number (default 1.0)"."""
+    return f"{describe(hint)} ({'required' if default is dataclasses.MISSING else f'default {yaml_text(default)}'})"
+
+
+def _wrapped(text: str, width: int, indent: int = 6) -> list[str]:
+    return textwrap.wrap(text, width, initial_indent=" " * indent, subsequent_indent=" " * indent,
+                         break_on_hyphens=False)
 
 
 def yaml_text(value: Any) -> str:
@@ -225,6 +257,8 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
     valid = config_fields()
     for text in overrides:
         path, value = parse_override(text)
+        if path[0] in RENAMED_KEYS:
+            check_renamed_keys([path[0]])
         if path[0] not in valid:  # never the value: it may be a secret typed in the wrong place
             raise ConfigError(f"Unknown config key {path[0]!r} in an override; valid keys: {', '.join(valid)}")
         target = values
@@ -303,9 +337,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         source = resolve_config(path)
         values = read_yaml(source)
+    check_renamed_keys(values)  # a key of an earlier version: "hub_model_id is now hub.model_id"
     known_keys(values, config_fields(), "config key(s)", str(source or ""), listing="valid keys")
-    if "training" in values and values["training"] is None:  # `training:` with nothing under it
-        values["training"] = {}
+    for name in ("training", *SECTIONS):
+        if name in values and values[name] is None:  # `training:` with nothing under it
+            values[name] = {}
     values = apply_overrides(values, overrides or [])
     missing = [name for name in required_fields() if name not in values]
     if missing:

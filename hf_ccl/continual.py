@@ -7,7 +7,7 @@ For each task k of the stream:
 4. evaluation on the eval split of every task, seen and not yet seen (one row of the results matrix),
 5. the methods' `on_task_end` hooks (so the saved state is the state the next task starts from),
 6. a complete checkpoint in `output_dir/task-<k>/`: model, processor, method state, results so far, model card,
-7. with `hub_model_id`, a push of that folder to the Hub (`main` and branch `task-<k>`, in the background).
+7. with `hub.model_id`, a push of that folder to the Hub (`main` and branch `task-<k>`, in the background).
 
 `resume_from_checkpoint` continues a stopped run from its last complete task checkpoint (local, else the Hub's newest
 `task-<k>` branch) with every method's state and the results so far; with Trainer checkpoints (`save_strategy`),
@@ -23,14 +23,11 @@ import shutil
 import time
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import PartialState
-from huggingface_hub.errors import HFValidationError
-from huggingface_hub.utils import validate_repo_id
 from tqdm.auto import tqdm
 from transformers import (
     PreTrainedTokenizerBase,
@@ -39,6 +36,7 @@ from transformers import (
 )
 
 from . import checkpointing
+from .arguments import ContinualArguments, validate_training_args  # noqa: F401 (re-exported)
 from .callbacks import StreamControl, StreamState, TaskCallback, TaskCallbackHandler
 from .cards import ModelCardCallback
 from .checkpointing import (  # noqa: F401  (re-exported: public names of this module before they moved)
@@ -47,11 +45,12 @@ from .checkpointing import (  # noqa: F401  (re-exported: public names of this m
     load_model_weights,
     newest_complete_trainer_checkpoint,
 )
-from .class_prompts import CLASS_SCOPES, CLASSIFICATION_LOSSES, ClassPrompts
+from .checks import RunPlan, check_pair_stream, check_run, validate_stream  # noqa: F401 (re-exported)
+from .class_prompts import ClassPrompts
 from .compute import ComputeCallback, TaskCompute, global_batch_size, phase_timer
-from .data.image_cache import cached_pixels_dataset, check_image_cache
+from .data.image_cache import cached_pixels_dataset
 from .data.reference import ReferenceBatches
-from .data.streaming import column_names, is_empty, is_streaming, whole_batches
+from .data.streaming import is_empty, is_streaming, whole_batches
 from .data.task import CollatorSetup, ModelPart, TaskStream
 from .data.workers import dataloader_defaults, training_device_type
 from .distributed import barrier, broadcast_object, is_main_process, launch_defaults, world_size
@@ -59,221 +58,23 @@ from .evaluation.checks import NonFiniteEmbeddingError
 from .evaluation.matrix import ResultsMatrix
 from .evaluation.schedule import StreamEvaluator, evaluated_after
 from .evaluation.spatial_disorder import SpatialDisorderCallback
-from .families import check_family_methods
 from .hub import (
     HubPushCallback,
     PushReport,
     ensure_branch,
 )
 from .methods.base import ContinualMethod, TaskContext
-from .methods.registry import METHODS, check_methods
 from .modeling import ContinualDualEncoder
 from .pair_features import ModalityEncoder, encode_pair_stream, pair_encoders
 from .resume_settings import run_settings
 from .run_folder import RunFolderLock, claim_run_folder
-from .stream_logging import StreamLogger, reporting_callbacks
+from .stream_logging import StreamLogger
 from .trainer import ContinualTrainer
-from .training_options import check_training_args, default_training, with_training_defaults
-from .validation import ConfigError, check_choice, check_dataclass, check_no_tokens, check_range
 
 logger = logging.getLogger(__name__)
 
 #: Branch the Trainer's own pushes go to (`training.push_to_hub`): its latest checkpoint in `last-checkpoint/`.
 TRAINING_BRANCH = "training"
-WARMUP_RULES = ("every_task", "first_task")
-
-
-@dataclass
-class ContinualArguments:
-    """How the stream is run; `training` holds `transformers.TrainingArguments` fields used for every task."""
-
-    output_dir: str = field(metadata={"help": "Run folder; each task's checkpoint goes to <output_dir>/task-<k>/."})
-    training: dict[str, Any] = field(
-        default_factory=default_training,
-        metadata={"help": "TrainingArguments fields for every task (epochs, batch size, lr, ...); what is given extends "
-                  "hf_ccl's defaults (8 epochs, batch 64, lr 1e-3, weight decay 0.1, warmup 0.1 of the steps, cosine "
-                  "schedule), the same from Python, YAML and the command line."},
-    )
-    first_task_epochs: float | None = field(
-        default=None, metadata={"help": "Epochs for the first task (e.g. pretraining a random CLIP); None: as others."}
-    )
-    eval_batch_size: int = field(default=256, metadata={"help": "Batch size for embedding eval images and texts."})
-    max_length: int | None = field(
-        default=None, metadata={"help": "Token limit; None: the model's max_position_embeddings."}
-    )
-    seed: int = field(default=0, metadata={"help": "Base seed; task k trains with seed + k."})
-    evaluate_initial: bool = field(default=True, metadata={"help": "Evaluate the model before the first task."})
-    eval_every: int = field(
-        default=1,
-        metadata={"help": "Evaluate after every k-th task (tasks k, 2k, ...) and always after the last one; the rows "
-                  "in between are marked not evaluated in the results and the derived metrics that need them are "
-                  "null. 1: after every task."},
-    )
-    eval_max_examples: int | None = field(
-        default=None,
-        metadata={"help": "Score each task on a fixed seeded subsample of at most this many rows of its eval split "
-                  "(the same rows in every row of the matrix; recorded in results.json and results.md); None: all "
-                  "rows."},
-    )
-    eval_cache: bool = field(
-        default=True,
-        metadata={"help": "Reuse a task's eval embeddings while nothing that produced them changed (a frozen tower, "
-                  "the same tokenizer, processor and rows; checked by identity and weight contents, "
-                  "hf_ccl.evaluation.cache); false: recompute them at every evaluation."},
-    )
-    classification_loss: str = field(
-        default="contrastive",
-        metadata={"help": "How classification tasks train: 'contrastive': CLIP's loss on each image and one of its "
-                  "label's training prompts; 'cross_entropy': each image's cross-entropy over the prompts of its "
-                  "candidate classes (ZSCL Eq. 1, the ZSCL / MoE-Adapters fine-tuning loss; hf_ccl.class_prompts)."},
-    )
-    class_scope: str = field(
-        default="task",
-        metadata={"help": "The classes a classification task is scored among: 'task': its own (task-aware, MTIL); "
-                  "'seen': every class of the tasks trained so far (task-agnostic, the class-incremental protocol; "
-                  "the headline metric is then seen_accuracy, and the cross_entropy loss scores among them too)."},
-    )
-    save_checkpoints: bool = field(default=True, metadata={"help": "Write output_dir/task-<k>/ after every task."})
-    progress: bool = field(default=True, metadata={"help": "Show progress bars for the stream and each task."})
-    spatial_disorder_task: int | None = field(
-        default=None,
-        metadata={
-            "help": "Mod-X's spatial-disorder diagnostics (paper 000, Sec. 3) after every task, against the initial "
-            "model, on this task's eval split (e.g. 0, the old domain); None: off. Written to spatial_disorder.json "
-            "(and .png with matplotlib) in the run folder and each checkpoint."
-        },
-    )
-
-    samples_per_task: int | None = field(
-        default=None,
-        metadata={
-            "help": "Compute budget C: training examples seen per task (optimizer steps x global batch), the same for "
-            "every task and strategy (TiC-CLIP); sets max_steps. None: epochs decide."
-        },
-    )
-    warmup: str = field(
-        default="every_task",
-        metadata={
-            "help": "'every_task': training.warmup_steps on every task; 'first_task': only on the first task (TiC-CLIP: "
-            "warm-started tasks use none; from-scratch strategies keep it)."
-        },
-    )
-    resume_from_checkpoint: bool | str | None = field(
-        default=None,
-        metadata={
-            "help": "True: continue from the newest complete task checkpoint in output_dir, else from the newest "
-            "task-<k> branch of hub_model_id (an error when there is none); 'auto': the same, but start afresh when "
-            "there is none; a path: that task checkpoint folder (or run folder)."
-        },
-    )
-    hub_model_id: str | None = field(
-        default=None, metadata={"help": "Hub repository to push every task to (main + branch task-<k>); None: no push."}
-    )
-    hub_private_repo: bool = field(default=False, metadata={"help": "Create the Hub repository as private."})
-    hub_timeout: float = field(default=60.0, metadata={"help": "Seconds before any Hub request is abandoned."})
-    hub_retries: int = field(default=3, metadata={"help": "Retries (exponential backoff) of a failing Hub request."})
-    hub_retry_backoff: float = field(default=1.0, metadata={"help": "First backoff delay in seconds (doubles)."})
-    overwrite_output_dir: bool = field(
-        default=False,
-        metadata={"help": "Start a new run in an output_dir that holds another run: its task checkpoints, Trainer "
-                  "checkpoints, results and compute files are removed first. Without it such a folder is refused."},
-    )
-    keep_trainer_checkpoints: bool = field(
-        default=False,
-        metadata={"help": "Keep output_dir/trainer/task-<k>/ (the mid-task Trainer checkpoints) after task k's "
-                  "checkpoint is written; by default they are removed then."},
-    )
-    card_license: str | None = field(
-        default=None,
-        metadata={"help": "License of the trained model for its card's front matter (a Hub license id such as "
-                  "apache-2.0, or 'other'); None: 'other', with the base model's and datasets' terms named."},
-    )
-    image_modalities: list[str] = field(
-        default_factory=lambda: ["image"],
-        metadata={"help": "Pair streams: the modalities CLIP's vision tower encodes; every other modality is read by "
-                  "its text tower, unless listed in precomputed_modalities."},
-    )
-    precomputed_modalities: list[str] = field(
-        default_factory=list,
-        metadata={"help": "Pair streams: modalities whose column already holds feature vectors (projection_dim "
-                  "floats per row, e.g. audio embeddings computed offline)."},
-    )
-    image_cache: bool | str = field(
-        default=False,
-        metadata={"help": "Decode, resize and crop every training image once and train from the stored uint8 pixels "
-                  "(the same pixel values, far less CPU per step; hf_ccl.data.image_cache): true: in the datasets "
-                  "cache (HF_DATASETS_CACHE/hf_ccl-image-cache), reused by later runs on the same data and "
-                  "processor; a path: that folder; false: off."},
-    )
-    resume_allow_changes: list[str] = field(
-        default_factory=list,
-        metadata={"help": "Dotted keys (fnmatch patterns) of settings that may differ from the checkpoint resumed "
-                  "from, e.g. [training.learning_rate]; each change is recorded in the next checkpoints."},
-    )
-
-    def __post_init__(self) -> None:
-        """Every value checked (type, range, consistency) before anything is built, trained or written."""
-        check_no_tokens(self)
-        if isinstance(self.resume_from_checkpoint, str) and self.resume_from_checkpoint.lower() in ("true", "false"):
-            self.resume_from_checkpoint = self.resume_from_checkpoint.lower() == "true"
-        check_dataclass(self)
-        self.training = validate_training_args(with_training_defaults(self.training))
-        check_choice("warmup", self.warmup, WARMUP_RULES)
-        check_choice("classification_loss", self.classification_loss, CLASSIFICATION_LOSSES)
-        check_choice("class_scope", self.class_scope, CLASS_SCOPES)
-        check_range("first_task_epochs", self.first_task_epochs, 0, low_open=True, also="or null")
-        check_range("eval_batch_size", self.eval_batch_size, 1)
-        check_range("eval_every", self.eval_every, 1)
-        check_range("eval_max_examples", self.eval_max_examples, 1, also="or null")
-        check_range("max_length", self.max_length, 2, also="(room for BOS and EOS) or null")
-        check_range("seed", self.seed, 0, 2**32 - 1)
-        check_range("spatial_disorder_task", self.spatial_disorder_task, 0, also="(a task index) or null")
-        check_range("samples_per_task", self.samples_per_task, 1, also="or null")
-        check_range("hub_timeout", self.hub_timeout, 0, low_open=True)
-        check_range("hub_retries", self.hub_retries, 0)
-        check_range("hub_retry_backoff", self.hub_retry_backoff, 0)
-        for key in ("image_modalities", "precomputed_modalities"):
-            if any(not name or "." in name for name in getattr(self, key)):
-                raise ConfigError(f"{key} holds modality names (non-empty, no '.')", key)
-        both = sorted(set(self.image_modalities) & set(self.precomputed_modalities))
-        if both:
-            raise ConfigError(f"modality(ies) {both} are in image_modalities and precomputed_modalities: a modality "
-                              "is read by one encoder", "precomputed_modalities")
-        if isinstance(self.image_cache, str):
-            if self.image_cache.lower() in ("true", "false"):
-                self.image_cache = self.image_cache.lower() == "true"
-            elif not self.image_cache.strip() or Path(self.image_cache).expanduser().is_file():
-                raise ConfigError(f"image_cache must be true, false or a folder to keep the cache in, got "
-                                  f"{self.image_cache!r}", "image_cache")
-        if self.card_license is not None and not self.card_license.strip():
-            raise ConfigError("card_license must be a license id (e.g. apache-2.0, mit, other) or null", "card_license")
-        if self.hub_model_id is not None:
-            try:
-                validate_repo_id(self.hub_model_id)
-            except HFValidationError as error:
-                raise ConfigError(f"hub_model_id {self.hub_model_id!r} is not a Hub repository id: {error}") from error
-        if self.training.get("push_to_hub") and not (self.hub_model_id or self.training.get("hub_model_id")):
-            raise ConfigError("training.push_to_hub needs a repository: set hub_model_id (or training.hub_model_id)",
-                              "training.push_to_hub")
-        resume = self.resume_from_checkpoint
-        if isinstance(resume, str) and resume != "auto" and not Path(resume).exists():
-            raise ConfigError(f"resume_from_checkpoint: no such folder {resume!r}; give true, 'auto' or the path of a "
-                              "task checkpoint (or run folder)")
-        resuming = resume not in (None, False)
-        if self.overwrite_output_dir and resuming:
-            raise ConfigError("overwrite_output_dir removes the run that resume_from_checkpoint would continue: set "
-                              "one of them", "overwrite_output_dir")
-        if self.resume_allow_changes and not resuming:
-            raise ConfigError("resume_allow_changes applies to a resume: set resume_from_checkpoint too, or remove it",
-                              "resume_allow_changes")
-        if self.samples_per_task is not None:
-            if self.first_task_epochs is not None:
-                raise ConfigError("samples_per_task fixes every task's compute: leave first_task_epochs unset")
-            if "max_steps" in self.training:  # (num_train_epochs is simply overridden, as max_steps does in HF)
-                raise ConfigError("samples_per_task sets each task's max_steps: remove training.max_steps")
-            if self.training.get("dataloader_drop_last") is False:
-                raise ConfigError("samples_per_task trains on whole global batches only (dataloader_drop_last is "
-                                  "set): remove training.dataloader_drop_last")
 
 
 def planned_steps(rows: int, training: dict[str, Any], processes: int = 1) -> int:
@@ -288,83 +89,6 @@ def planned_steps(rows: int, training: dict[str, Any], processes: int = 1) -> in
     accumulation = int(training.get("gradient_accumulation_steps", 1))
     per_epoch = max(batches // accumulation + int(batches % accumulation > 0), 1)
     return math.ceil(float(training.get("num_train_epochs", 3.0)) * per_epoch)
-
-
-def validate_training_args(training: dict[str, Any]) -> dict[str, Any]:
-    """The `training` section checked before any training starts (`hf_ccl.training_options`): unknown fields,
-    fields the loop sets itself or does not use, types, ranges and mixed precision on this machine. Returns the
-    values with lossless conversions applied (a number YAML read as a string)."""
-    checked = check_training_args(training)
-    try:
-        reporting_callbacks(checked.get("report_to"))  # unknown or unusable integrations fail here
-    except (ValueError, RuntimeError) as error:
-        raise ConfigError(str(error), "training.report_to") from error
-    return checked
-
-
-def validate_stream(stream: TaskStream, args: ContinualArguments | None = None) -> None:
-    """Empty streams, empty tasks and non-canonical datasets fail here, before any training. A streaming train split
-    (`datasets.IterableDataset`) is checked by its features or first row, never read whole; with `args`, a stream
-    of such tasks needs a compute budget (a stream has no length, so no epochs)."""
-    if len(stream) == 0:
-        raise ValueError(f"Stream {stream.name!r} has no tasks")
-    for index, task in enumerate(stream):
-        for split_name, dataset in (("train", task.train), ("eval", task.eval)):
-            where = f"Stream {stream.name!r}, task {index} ({task.name!r})"
-            columns = column_names(dataset)  # a stream without known features: its first row's (none when empty)
-            missing = [c for c in task.required_columns if c not in columns]
-            if missing and (columns or not is_streaming(dataset)):
-                raise ValueError(
-                    f"{where}, {split_name} split: missing column(s) {missing}; it has {columns}. Build tasks with "
-                    "hf_ccl.data builders."
-                )
-            if is_empty(dataset):
-                raise ValueError(f"{where}: the {split_name} split is empty")
-        if args is not None and is_streaming(task.train):
-            _check_streaming_budget(args.training, args.samples_per_task, args.first_task_epochs, index, task.name)
-    if args is not None and not any(kind.has_classes for kind in stream.kinds):
-        for key, value, default in (("classification_loss", args.classification_loss, "contrastive"),
-                                    ("class_scope", args.class_scope, "task")):
-            if value != default:
-                raise ConfigError(f"{key}: {value} applies to classification tasks, and stream {stream.name!r} has "
-                                  f"none: remove it", key)
-
-
-def _check_streaming_budget(
-    training: dict[str, Any], samples_per_task: int | None, first_task_epochs: float | None, index: int, name: str
-) -> None:
-    """A streaming task trains for a fixed number of steps: `samples_per_task` or `training.max_steps` (and not the
-    first task's epochs)."""
-    if samples_per_task is not None:
-        return
-    if int(training.get("max_steps", -1)) > 0 and not (index == 0 and first_task_epochs is not None):
-        return
-    raise ValueError(
-        f"Task {index} ({name!r}) trains on a stream (an IterableDataset has no length, so no epochs): streaming "
-        "tasks need samples_per_task or training.max_steps (and no first_task_epochs)"
-    )
-
-
-def check_pair_stream(stream: TaskStream, methods: list[ContinualMethod], args: ContinualArguments) -> None:
-    """Tasks whose kind trains learner heads on cached features (CMCL's pair tasks, `ModelPart.LEARNER_HEADS`) need
-    the method that attaches them (`learner_heads`) and one micro-batch per step (the exact accumulation of
-    `hf_ccl.accumulation` is CLIP's loss)."""
-    if not any(kind.trains is ModelPart.LEARNER_HEADS for kind in stream.kinds):
-        return
-    if not any(method.attaches is ModelPart.LEARNER_HEADS for method in methods):
-        raise ConfigError(f"stream {stream.name!r} has pair tasks: they train learner heads on the frozen CLIP's "
-                          "features; add the learner_heads method (first in methods)", "methods")
-    unsupported = [method.name for method in methods if not method.trains_pair_tasks]
-    if unsupported:
-        supported = sorted(name for name, cls in METHODS.items() if cls.trains_pair_tasks)
-        raise ConfigError(f"method(s) {unsupported} do not train pair tasks (CMCL's learner heads on cached features); "
-                          f"methods for pair streams: {supported}", "methods")
-    if args.spatial_disorder_task is not None:
-        raise ConfigError("spatial_disorder_task measures image-text embeddings of a CLIP task; a pair stream has "
-                          "none: remove it", "spatial_disorder_task")
-    if int(args.training.get("gradient_accumulation_steps", 1)) > 1:
-        raise ConfigError("pair tasks train with one micro-batch per optimizer step: remove "
-                          "training.gradient_accumulation_steps", "training.gradient_accumulation_steps")
 
 
 def check_frozen_encoders(model: ContinualDualEncoder, task_name: str) -> None:
@@ -395,18 +119,10 @@ class ContinualLearner:
         callbacks: list[TrainerCallback] | None = None,
         task_callbacks: list[TaskCallback] | None = None,
         modality_encoders: Mapping[str, ModalityEncoder] | None = None,
+        plan: RunPlan | None = None,
     ):
-        validate_stream(stream, args)
-        check_methods(methods, args.samples_per_task)
-        check_family_methods(model, methods)
-        check_pair_stream(stream, methods, args)
-        check_image_cache(stream, image_processor, args.image_cache)
-        replacing = [method.name for method in methods if method.replaces_contrastive_loss]
-        if args.classification_loss == "cross_entropy" and replacing:
-            raise ConfigError(f"classification_loss: cross_entropy replaces the contrastive loss, and so does "
-                              f"{replacing[0]} (its terms are the whole loss): use one of them", "classification_loss")
-        for method in methods:
-            method.check_stream(stream)
+        #: What was checked of this run (`hf_ccl.checks`): `plan` (the CLI's) when it covers these arguments and methods.
+        self.plan = check_run(model, stream, methods, args, image_processor, plan)
         # joins the process group now when launched distributed (the Trainer would, later), on the CPU when it must
         PartialState(cpu=bool({**launch_defaults(args.training), **args.training}.get("use_cpu")))
         self.callbacks = list(callbacks or [])
@@ -422,8 +138,6 @@ class ContinualLearner:
         self.model.align_special_tokens(tokenizer)
         self.results = ResultsMatrix(task_names=stream.task_names, headline_metrics=[
             task.kind_spec.headline(args.class_scope) for task in stream])
-        if args.spatial_disorder_task is not None and not 0 <= args.spatial_disorder_task < len(stream):
-            raise ValueError(f"spatial_disorder_task must index a task of the stream (0..{len(stream) - 1})")
         self.task_callbacks = TaskCallbackHandler(
             [ComputeCallback(), SpatialDisorderCallback(), ModelCardCallback(), HubPushCallback()]
         )
@@ -448,13 +162,13 @@ class ContinualLearner:
 
     @property
     def push_report(self) -> PushReport | None:
-        """What the Hub pushes of the last `fit()` did (None without `hub_model_id`)."""
+        """What the Hub pushes of the last `fit()` did (None without `hub.model_id`)."""
         return self.task_callbacks.get(HubPushCallback).report
 
     @property
     def writes_checkpoints(self) -> bool:
         """Whether task checkpoints are written (asked for, or needed for the Hub pushes)."""
-        return self.args.save_checkpoints or self.args.hub_model_id is not None
+        return self.args.save_checkpoints or self.args.hub.model_id is not None
 
     def event(self, name: str, **kwargs: Any) -> None:
         """Call task event `name` on every task callback, with this learner and the stream's state."""
@@ -467,7 +181,8 @@ class ContinualLearner:
             return
         encoders = pair_encoders(
             self.model, self.image_processor, self.tokenizer, self.stream.modalities,
-            image_modalities=self.args.image_modalities, precomputed_modalities=self.args.precomputed_modalities,
+            image_modalities=self.args.pairs.image_modalities,
+            precomputed_modalities=self.args.pairs.precomputed_modalities,
             given=self.modality_encoders, max_length=self.max_length,
         )
         self.stream = encode_pair_stream(self.stream, encoders)
@@ -535,7 +250,7 @@ class ContinualLearner:
             logger.warning("Every task of the stream was already trained (resumed from %s): nothing to train; the "
                            "results are those of the finished run", resumed)
         elif resumed is None:
-            if self.args.evaluate_initial:
+            if self.args.evaluation.initial:
                 started = time.perf_counter()
                 self.results.add_row("initial", self.evaluate(trained=0))
                 self.initial_eval_seconds = time.perf_counter() - started
@@ -572,7 +287,7 @@ class ContinualLearner:
                 tokenizer=self.tokenizer,
                 image_processor=self.image_processor,
                 max_length=self.max_length,
-                eval_batch_size=self.args.eval_batch_size,
+                eval_batch_size=self.args.evaluation.batch_size,
                 samples_per_task=self.args.samples_per_task,
                 base_training=dict(self.args.training),  # as configured, before budget and warmup rules
                 run_settings=self.settings,  # stored in mid-task checkpoints, compared on resume
@@ -589,12 +304,12 @@ class ContinualLearner:
                 for method in self.methods:
                     self._take_changes(context, method.after_training(context), method, "after_training")
             self.event("on_task_trained", context=context, trainer=trainer)
-            if evaluated_after(index, len(self.stream), self.args.eval_every):
+            if evaluated_after(index, len(self.stream), self.args.evaluation.every):
                 with phase_timer(clock, "eval"):
                     metrics = self.evaluate(trained=index + 1)
                 self.results.add_row(task.name, metrics)
                 self.event("on_task_evaluated", context=context, metrics=metrics)
-            else:  # eval_every: the row is marked not evaluated (the derived metrics that need it are null)
+            else:  # evaluation.every: the row is marked not evaluated (the derived metrics that need it are null)
                 self.results.add_row(task.name, {}, evaluated=False)
             with phase_timer(clock, "task_end"):
                 for method in self.methods:
@@ -716,11 +431,11 @@ class ContinualLearner:
         values["disable_tqdm"] = not self.args.progress
         values["logging_nan_inf_filter"] = False  # its check syncs every step; ContinualTrainer refuses non-finite losses
         if values.get("push_to_hub"):  # mid-task checkpoints through the Trainer, on their own branch
-            values.setdefault("hub_model_id", self.args.hub_model_id)
+            values.setdefault("hub_model_id", self.args.hub.model_id)
             values.setdefault("hub_revision", TRAINING_BRANCH)
             values.setdefault("hub_strategy", "checkpoint")
             if values["hub_model_id"] is None:
-                raise ValueError("training.push_to_hub needs a repository: set hub_model_id (or training.hub_model_id)")
+                raise ValueError("training.push_to_hub needs a repository: set hub.model_id (or training.hub_model_id)")
         return TrainingArguments(
             output_dir=str(self.output_dir / "trainer" / f"task-{context.task_index}"),
             remove_unused_columns=False,
@@ -803,8 +518,8 @@ class ContinualLearner:
         context.train_dataset = train_dataset
         context.per_device_batch_size = training_args.per_device_train_batch_size
         if training_args.push_to_hub and is_main_process():
-            ensure_branch(training_args.hub_model_id, training_args.hub_revision, private=self.args.hub_private_repo,
-                          retries=self.args.hub_retries, backoff=self.args.hub_retry_backoff)
+            ensure_branch(training_args.hub_model_id, training_args.hub_revision, private=self.args.hub.private,
+                          retries=self.args.hub.retries, backoff=self.args.hub.backoff)
         trainer = ContinualTrainer(
             model=self.model,
             args=training_args,
@@ -822,13 +537,13 @@ class ContinualLearner:
     def evaluate(self, trained: int | None = None) -> dict[str, dict[str, float]]:
         """Metrics of the current model, after training the first `trained` tasks (default: as many as the results
         have rows; the `"seen"` class scope reads it), on the eval split of every task (computed on the main process): on each
-        task's fixed subsample with `eval_max_examples`, reusing the embeddings of towers that did not change
-        (`eval_cache`); the protocol is recorded in the results matrix (`hf_ccl.evaluation.schedule`)."""
+        task's fixed subsample with `evaluation.max_examples`, reusing the embeddings of towers that did not change
+        (`evaluation.cache`); the protocol is recorded in the results matrix (`hf_ccl.evaluation.schedule`)."""
         evaluator = self.__dict__.get("_evaluator")
         if evaluator is None:  # one per learner: its embedding cache lives as long as the run
             evaluator = self._evaluator = StreamEvaluator(
-                eval_every=self.args.eval_every, max_examples=self.args.eval_max_examples, seed=self.args.seed,
-                cache=self.args.eval_cache, class_scope=self.args.class_scope)
+                eval_every=self.args.evaluation.every, max_examples=self.args.evaluation.max_examples,
+                seed=self.args.seed, cache=self.args.evaluation.cache, class_scope=self.args.class_scope)
         evaluator.record(self.results, self.stream)  # a resume on other eval rows stops here, before any scoring
         if trained is None:
             trained = self.results.num_trained
@@ -836,7 +551,7 @@ class ContinualLearner:
         if is_main_process():
             try:
                 metrics = evaluator.evaluate(self.model, self.stream, self.image_processor, self.tokenizer,
-                                             batch_size=self.args.eval_batch_size, max_length=self.max_length,
+                                             batch_size=self.args.evaluation.batch_size, max_length=self.max_length,
                                              trained=trained)
             except NonFiniteEmbeddingError as error:  # name the model evaluated and what is kept
                 model = ("the initial model" if trained == 0

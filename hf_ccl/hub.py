@@ -36,7 +36,7 @@ from .checkpoint_files import MANIFEST, read_manifest, verify_checkpoint
 from .distributed import is_main_process
 
 if TYPE_CHECKING:
-    from .continual import ContinualArguments
+    from .arguments import ContinualArguments
 
 logger = logging.getLogger(__name__)
 
@@ -340,9 +340,9 @@ def download_task_checkpoint(repo_id: str, task_index: int, local_dir: str | Pat
 
 
 class HubPushCallback(TaskCallback):
-    """Pushes every task checkpoint to `args.hub_model_id` in the background (main process; `main` and branch
-    `task-<k>`, with `hub_timeout`, `hub_retries` and `hub_retry_backoff`); at the stream's end it waits for the
-    pushes and keeps their `report`."""
+    """Pushes every task checkpoint to `hub.model_id` in the background (main process; `main` and branch
+    `task-<k>`, with the `hub` section's timeout, retries and backoff: `hf_ccl.arguments.HubArguments`); at the
+    stream's end it waits for the pushes and keeps their `report`."""
 
     def __init__(self) -> None:
         self.pusher: HubPusher | None = None
@@ -350,9 +350,10 @@ class HubPushCallback(TaskCallback):
 
     def on_stream_begin(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
         self.report = None
-        if args.hub_model_id is not None and is_main_process():
-            self.pusher = HubPusher(args.hub_model_id, private=args.hub_private_repo, timeout=args.hub_timeout,
-                                    retries=args.hub_retries, backoff=args.hub_retry_backoff)
+        hub = args.hub  # HubArguments
+        if hub.model_id is not None and is_main_process():
+            self.pusher = HubPusher(hub.model_id, private=hub.private, timeout=hub.timeout, retries=hub.retries,
+                                    backoff=hub.backoff)
 
     def on_checkpoint_saved(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
         if self.pusher is not None:
@@ -365,4 +366,4 @@ class HubPushCallback(TaskCallback):
         self.report, self.pusher = self.pusher.finish(), None
         if self.report.failed:
             logger.warning("%d task revision(s) could not be pushed to %s (see push_report; `hf-ccl push` pushes a "
-                           "run's checkpoints again)", len(self.report.failed), args.hub_model_id)
+                           "run's checkpoints again)", len(self.report.failed), args.hub.model_id)

@@ -1,14 +1,14 @@
 """What a resumed run must share with the run it continues, and the readable diff when it does not.
 
 Every task checkpoint stores the run's `settings` (`run_settings`): seed, the training section, methods and their
-options, the compute rules, the evaluation subsample (`eval_max_examples`), and the stream (task names, sources, a
+options, the compute rules, the evaluation subsample (`evaluation.max_examples`), and the stream (task names, sources, a
 signature of each task's rows and one of its labels, classes and templates, so that a changed `max_train_per_task`,
 `label_space` or data file is caught). A resume compares them key by key (`settings_diff`) and refuses
 any difference not named in `resume_allow_changes` (dotted keys, `fnmatch` patterns allowed); allowed ones are
 recorded as `resume_changes` in the next checkpoints (and shown in the model card).
 
 Not compared, because they cannot change what is learned or measured after the resume point: progress bars, the
-evaluation batch size, `evaluate_initial` (the initial row is already recorded), Hub settings, logging and reporting
+evaluation batch size, `evaluation.initial` (the initial row is already recorded), Hub settings, logging and reporting
 options, dataloader workers, where and how often Trainer checkpoints are saved.
 """
 
@@ -68,10 +68,11 @@ def run_settings(args: Any, stream: TaskStream, methods: Iterable[Any]) -> dict[
         "samples_per_task": args.samples_per_task,
         "warmup": args.warmup,
         "max_length": args.max_length,
-        "spatial_disorder_task": args.spatial_disorder_task,
+        "diagnostics": {"spatial_disorder_task": args.diagnostics.spatial_disorder_task},
         # the rows each task is scored on: the rows before and after a resume must be comparable (stored only when
         # set, so that checkpoints written before the option resume unchanged)
-        **({"eval_max_examples": args.eval_max_examples} if args.eval_max_examples is not None else {}),
+        **({"evaluation": {"max_examples": args.evaluation.max_examples}}
+           if args.evaluation.max_examples is not None else {}),
         # stored only when not the default, so that checkpoints written before these options resume unchanged
         **({"classification_loss": args.classification_loss} if args.classification_loss != "contrastive" else {}),
         **({"class_scope": args.class_scope} if args.class_scope != "task" else {}),
@@ -106,6 +107,8 @@ def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
 
 
 _MISSING = "<not set>"
+#: Settings keys that checkpoints of earlier hf_ccl versions stored under the options' old, top-level names.
+_RENAMED = {"spatial_disorder_task": "diagnostics.spatial_disorder_task", "eval_max_examples": "evaluation.max_examples"}
 #: Settings that checkpoints of earlier hf_ccl versions did not store: not compared when the saved run lacks them.
 _ADDED_LATER = re.compile(r"stream\.tasks\.\d+\.labels(\..*)?$")
 
@@ -113,7 +116,7 @@ _ADDED_LATER = re.compile(r"stream\.tasks\.\d+\.labels(\..*)?$")
 def settings_diff(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
     """`(dotted key, saved value, value now)` for every key whose value differs (keys saved only by a newer or older
     hf_ccl on one side are compared as well: absent shows as `<not set>`)."""
-    old, new = flatten(saved), flatten(now)
+    old, new = {_RENAMED.get(key, key): value for key, value in flatten(saved).items()}, flatten(now)
     new = {key: value for key, value in new.items() if key in old or not _ADDED_LATER.match(key)}
     keys = sorted(set(old) | set(new))
     return [(key, old.get(key, _MISSING), new.get(key, _MISSING)) for key in keys

@@ -16,10 +16,12 @@ from huggingface_hub.utils import validate_repo_id
 from transformers import AutoImageProcessor, PreTrainedTokenizerBase
 from transformers.utils import cached_file
 
+from .arguments import ContinualArguments
 from .checkpointing import CHECKPOINT_STATE, check_same_architecture, latest_task_checkpoint
+from .checks import RunPlan, check_plan
 from .compute import ComputeCallback, compute_summary
 from .config import RunConfig, save_config
-from .continual import ContinualArguments, ContinualLearner
+from .continual import ContinualLearner
 from .data.builders import check_builder_options
 from .data.collate import load_tokenizer
 from .data.named import NAMED_STREAMS, build_stream, check_stream_options
@@ -28,7 +30,6 @@ from .data.task import TaskStream
 from .distributed import is_main_process
 from .evaluation.matrix import ResultsMatrix
 from .families import (
-    check_family_methods,
     default_image_processor,
     family_class,
     family_of,
@@ -36,7 +37,7 @@ from .families import (
     tiny_config,
 )
 from .hub import PushFailedError
-from .methods import ContinualMethod, build_methods, check_methods
+from .methods import ContinualMethod, build_methods
 from .methods.sizes import check_method_sizes, check_model_memory, model_skeleton
 from .modeling import ContinualDualEncoder
 from .paths import check_default_tokenizer
@@ -143,33 +144,30 @@ def build_run_stream(config: RunConfig) -> TaskStream:
 @dataclass
 class CheckedRun:
     """A config that passed every check made before a run (`check_config`), with what the checks built: the loop's
-    arguments and the methods. `run` takes it as it is: nothing is checked or built twice."""
+    arguments, the methods and what was checked of them (`plan`, which the learner takes instead of checking them
+    again). `run` takes it as it is: nothing is checked or built twice."""
 
     config: RunConfig
     args: ContinualArguments
     methods: list[ContinualMethod]
+    plan: RunPlan
     #: When the run's start-up began (`time.time()`; `hf-ccl train`: the process's start); None: when `run` is called.
     started_at: float | None = None
 
 
 def check_config(config: RunConfig, check_paths: bool = True) -> CheckedRun:
     """Everything a run is asked to do, checked before any data is read, model built or file written: every value of
-    the config (types, ranges, the training section; again, in case it changed since it was made), the stream and its
-    options, the methods, their options and their combination, and (`check_paths`) the local paths. Returns the
-    checked run, with its `ContinualArguments` and its methods built."""
-    args = config.validate()
+    the config (types, ranges, the training section and the sections; again only if a value changed since it was
+    made), the stream and its options, the methods, their options and how they fit the arguments and the model's
+    family (`hf_ccl.checks.check_plan`), and (`check_paths`) the local paths. Returns the checked run, with its
+    `ContinualArguments`, its methods built and its `RunPlan`."""
+    args = config.checked_arguments()
     check_stream(config)
     methods = build_methods(config.methods, config.method_args)
-    check_methods(methods, args.samples_per_task)
     if check_paths:
         check_local_paths(config)
         check_pretrained_tokenizer(config)
-    family = config_family(config)
-    if family is not None:
-        try:
-            check_family_methods(family, methods)
-        except ValueError as error:
-            raise ConfigError(str(error), "methods") from None
+    plan = check_plan(args, methods, config_family(config))
     where = "model.pretrained" if config.model.get("pretrained") else "model.config"
     try:  # the run's model on the meta device: its sizes, nothing allocated
         skeleton = model_skeleton(config.model)
@@ -180,7 +178,7 @@ def check_config(config: RunConfig, check_paths: bool = True) -> CheckedRun:
         check_method_sizes(methods, skeleton)
         if check_paths and is_main_process():
             check_resumed_model(config, skeleton)
-    return CheckedRun(config, args, methods)
+    return CheckedRun(config, args, methods, plan)
 
 
 def check_resumed_model(config: RunConfig, skeleton: torch.nn.Module) -> None:
@@ -314,7 +312,8 @@ def _run_locked(checked: CheckedRun, lock: RunFolderLock, called_at: float) -> R
     stream = build_run_stream(config)
     model = load_model(config)
     image_processor, tokenizer = load_processors(config, model)
-    learner = ContinualLearner(model, stream, checked.methods, image_processor, tokenizer, checked.args)
+    learner = ContinualLearner(model, stream, checked.methods, image_processor, tokenizer, checked.args,
+                               plan=checked.plan)
     learner.started_at = checked.started_at if checked.started_at is not None else called_at
     learner.claim_output_dir(lock)  # not another run's folder, before anything is written there
     if is_main_process():

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
+from .arguments import NO_WARMUP_SCHEDULES, default_training, with_training_defaults  # noqa: F401 (re-exported)
 from .distributed import NotDistributedError, check_distributed_trainer, launch_defaults
 from .validation import (
     ConfigError,
@@ -31,8 +32,8 @@ from .validation import (
     type_hints,
 )
 
-_EVALUATED = "hf_ccl evaluates every task itself after it has trained (the results matrix; its batch size is the "\
-    "top-level eval_batch_size), so the Trainer never evaluates"
+_EVALUATED = "hf_ccl evaluates every task itself after it has trained (the results matrix; its batch size is "\
+    "evaluation.batch_size), so the Trainer never evaluates"
 _TASK_SEEDS = "hf_ccl seeds task k with seed + k (model init, data order, caption sampling): set the top-level seed"
 
 #: TrainingArguments fields a continual run refuses: {field: why, and what to use instead}.
@@ -45,7 +46,7 @@ REFUSED: dict[str, str] = {
     "do_predict": "it is read by example scripts, not by the Trainer; hf_ccl evaluates every task itself",
     "eval_steps": _EVALUATED,
     "eval_delay": _EVALUATED,
-    "eval_on_start": _EVALUATED + " (evaluate_initial: true evaluates the model before the first task)",
+    "eval_on_start": _EVALUATED + " (evaluation.initial: true evaluates the model before the first task)",
     "per_device_eval_batch_size": _EVALUATED,
     "eval_accumulation_steps": _EVALUATED,
     "eval_do_concat_batches": _EVALUATED,
@@ -65,7 +66,7 @@ REFUSED: dict[str, str] = {
     "disable_tqdm": "set the top-level progress: false",
     "hub_token": "a token in the config would be saved with the run: remove training.hub_token and set HF_TOKEN "
     "or run `hf auth login`",
-    "hub_private_repo": "set the top-level hub_private_repo (it applies to the task revisions and the Trainer's "
+    "hub_private_repo": "set hub.private (it applies to the task revisions and the Trainer's "
     "pushes alike)",
     "label_smoothing_factor": "hf_ccl's contrastive loss does not go through the Trainer's label smoother",
     "label_names": "hf_ccl's contrastive loss has no labels",
@@ -106,7 +107,7 @@ def _pushes(training: Mapping[str, Any]) -> bool:
 
 
 _SAVE = "training.save_strategy: steps or epoch (hf_ccl's default is 'no': only the task checkpoints are written)"
-_PUSH = "training.push_to_hub: true (the task revisions go to the top-level hub_model_id)"
+_PUSH = "training.push_to_hub: true (the task revisions go to hub.model_id)"
 #: Fields that do something only together with another setting: {field: (whether it has an effect, what to set)}.
 #: Checked when the field is given a value other than null or false.
 NEEDS: dict[str, tuple[Callable[[Mapping[str, Any]], bool], str]] = {
@@ -127,34 +128,6 @@ NEEDS: dict[str, tuple[Callable[[Mapping[str, Any]], bool], str]] = {
                      "a schedule that warms up (constant_with_warmup, not constant): set one, or training.warmup_steps: 0"),
     "fsdp_config": (lambda t: t.get("fsdp") not in (None, False, "", []), "training.fsdp (refused: see check_fsdp)"),
 }
-#: Schedules that take no warmup.
-NO_WARMUP_SCHEDULES: tuple[str, ...] = ("constant", "reduce_lr_on_plateau", "greedy")
-
-
-def default_training() -> dict[str, Any]:
-    """The training defaults of every run, from Python, YAML or the command line (a given `training` section extends
-    them, `with_training_defaults`): settings that train the tiny default CLIP, where TrainingArguments' own (batch 8,
-    lr 5e-5, linear, no warmup, no weight decay) train it poorly."""
-    return {
-        "num_train_epochs": 8,
-        "per_device_train_batch_size": 64,
-        "learning_rate": 1e-3,
-        "weight_decay": 0.1,
-        "warmup_steps": 0.1,
-        "lr_scheduler_type": "cosine",
-        "logging_steps": 10,
-    }
-
-
-def with_training_defaults(training: Mapping[str, Any]) -> dict[str, Any]:
-    """`training` over `default_training()`. The default warmup is left out when the given schedule takes none
-    (`NO_WARMUP_SCHEDULES`): a default never makes a given value refused."""
-    merged = {**default_training(), **training}
-    if "warmup_steps" not in training and merged.get("lr_scheduler_type") in NO_WARMUP_SCHEDULES:
-        merged.pop("warmup_steps")
-    return merged
-
-
 #: Annotations of TrainingArguments that say less than the field takes (`fsdp: str | None`, and its help says
 #: "fsdp=True").
 ANNOTATION_FIXES: dict[str, Any] = {"fsdp": bool | str | list[str] | None}

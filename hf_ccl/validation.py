@@ -15,7 +15,7 @@ import re
 import sys
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 #: What a Hugging Face token looks like (`hf_` and a long run of letters and digits): never printed.
@@ -227,11 +227,12 @@ def check_mapping(values: Mapping[str, Any], hints: Mapping[str, Any], prefix: s
             for key, value in values.items()}
 
 
-def check_dataclass(instance: Any, prefix: str = "") -> None:
-    """Check every init field of a dataclass instance against its annotation, storing converted values back."""
+def check_dataclass(instance: Any, prefix: str = "", names: Collection[str] | None = None) -> None:
+    """Check every init field of a dataclass instance (those in `names`, when given) against its annotation, storing
+    converted values back."""
     hints = type_hints(type(instance))
     for item in dataclasses.fields(instance):
-        if item.init and item.name in hints:
+        if item.init and item.name in hints and (names is None or item.name in names):
             value = getattr(instance, item.name)
             checked = check_value(f"{prefix}{item.name}", value, hints[item.name])
             if checked is not value:

@@ -39,7 +39,7 @@ from .evaluator import iter_column
 from .retrieval import captions_to_text_to_image, hit_rate, image_to_text_rank_counts
 
 if TYPE_CHECKING:
-    from ..continual import ContinualArguments
+    from ..arguments import ContinualArguments
 
 logger = logging.getLogger(__name__)
 
@@ -354,7 +354,7 @@ RESULTS_FILE = "spatial_disorder.json"
 
 
 class SpatialDisorderCallback(TaskCallback):
-    """Mod-X's spatial-disorder diagnostics during a run (`args.spatial_disorder_task`): the initial model's
+    """Mod-X's spatial-disorder diagnostics during a run (`diagnostics.spatial_disorder_task`: `hf_ccl.arguments.DiagnosticsArguments`): the initial model's
     embeddings of that task's eval split are the reference, and after every task the current model is compared
     with it. Written to `spatial_disorder.json` (and `.png`) in every checkpoint and the run folder; the reference
     is kept in each checkpoint, so a resumed run goes on comparing with the same one."""
@@ -364,14 +364,14 @@ class SpatialDisorderCallback(TaskCallback):
         self.results: dict[str, SpatialDisorder] = {}
 
     def _embed(self, args: ContinualArguments, learner: Any) -> DisorderEmbeddings:
-        dataset = learner.stream[args.spatial_disorder_task].eval
+        dataset = learner.stream[args.diagnostics.spatial_disorder_task].eval
         return embed_for_disorder(
             learner.model, iter_column(dataset, "image"), list(iter_column(dataset, "texts")),
-            learner.image_processor, learner.tokenizer, args.eval_batch_size, learner.max_length,
+            learner.image_processor, learner.tokenizer, args.evaluation.batch_size, learner.max_length,
         )
 
     def on_stream_begin(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
-        if args.spatial_disorder_task is not None and state.resumed_from is None and is_main_process():
+        if args.diagnostics.spatial_disorder_task is not None and state.resumed_from is None and is_main_process():
             self.reference = self._embed(args, kwargs["learner"])
 
     def on_task_evaluated(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
@@ -401,7 +401,7 @@ class SpatialDisorderCallback(TaskCallback):
 
     def on_restore(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
         folder = Path(kwargs["folder"])
-        if args.spatial_disorder_task is None or not (folder / REFERENCE_FILE).exists() or not is_main_process():
+        if args.diagnostics.spatial_disorder_task is None or not (folder / REFERENCE_FILE).exists() or not is_main_process():
             return
         try:
             tensors = load_file(str(folder / REFERENCE_FILE))

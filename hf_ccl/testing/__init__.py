@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ..callbacks import StreamControl, StreamState, TaskCallback
 
 if TYPE_CHECKING:
-    from ..continual import ContinualArguments
+    from ..arguments import ContinualArguments
     from ..modeling import ContinualCLIPModel, ContinualDualEncoder
     from .hub_server import (
         FaultPlan,
