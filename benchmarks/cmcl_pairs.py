@@ -108,7 +108,7 @@ def train_prior(options, tokenizer, image_processor) -> torch.nn.Module:
             save_checkpoints=False,
             progress=False,
             seed=0,
-            evaluate_initial=False,
+            evaluation={"initial": False},
             training={
                 "num_train_epochs": options.prior_epochs,
                 "per_device_train_batch_size": 64,

@@ -11,7 +11,7 @@ them, so each quick run also reports the *projected* share at the recipe's epoch
 run epochs), task by task. By default: digits (5 tasks) and flickr8k-random5 split into 5 and 10 tasks.
 
     .venv/bin/python benchmarks/eval_share.py --label before            # quick runs; appends to eval_share.json
-    .venv/bin/python benchmarks/eval_share.py --label after-every2 --set eval_every=2
+    .venv/bin/python benchmarks/eval_share.py --label after-every2 --set evaluation.every=2
     .venv/bin/python benchmarks/eval_share.py --full --label full       # every recipe as shipped (idle machine)
     .venv/bin/python benchmarks/eval_share.py --runs digits,flickr8k-random10 --label check
 
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"Comma-separated run names among {[run_.name for run_ in RUNS]}, or 'all'.")
     parser.add_argument("--full", action="store_true", help="Run every recipe as shipped (minutes to hours).")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="A config override for every run (e.g. eval_every=2).")
+                        help="A config override for every run (e.g. evaluation.every=2).")
     parser.add_argument("--comment", default="", help="A note printed under this label's table.")
     parser.add_argument("--output", type=Path, default=RESULTS / "eval_share",
                         help="path prefix of the results files (.json, .md); default %(default)s")

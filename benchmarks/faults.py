@@ -158,7 +158,7 @@ class Judge:
 
 # ----- the cases ---------------------------------------------------------------------------------------------------
 BAD_INPUTS: list[tuple[str, list[str], str]] = [
-    ("evaluation batch of 0", ["eval_batch_size=0"], "eval_batch_size"),
+    ("evaluation batch of 0", ["evaluation.batch_size=0"], "evaluation.batch_size"),
     ("negative epochs", ["training.num_train_epochs=-1", "training.max_steps=-1"], "num_train_epochs"),
     ("learning rate not a number", ["training.learning_rate=abc"], "learning_rate"),
     ("batch size 0", ["training.per_device_train_batch_size=0"], "per_device_train_batch_size"),
@@ -181,8 +181,8 @@ BAD_INPUTS: list[tuple[str, list[str], str]] = [
     ("a token under a mistyped key", [f"hub_tokn={FAKE_TOKEN}"], "hub_tokn"),
     ("unknown top-level key", ["sed=3"], "sed"),
     ("warmup with a constant schedule", ["training.lr_scheduler_type=constant", "training.warmup_steps=2"], "warmup"),
-    ("a token as hub_model_id", [f"hub_model_id=someone/{FAKE_TOKEN}"], "hub_model_id"),
-    ("a token as card_license", [f"card_license={FAKE_TOKEN}"], "card_license"),
+    ("a token as hub.model_id", [f"hub.model_id=someone/{FAKE_TOKEN}"], "hub.model_id"),
+    ("a token as card.license", [f"card.license={FAKE_TOKEN}"], "card.license"),
     ("a token as training.run_name", [f"training.run_name={FAKE_TOKEN}"], "training.run_name"),
     ("a token as model.pretrained", [f"model.pretrained={FAKE_TOKEN}", "model.config={}"], "model.pretrained"),
     ("a token as a method option's name", [f"method_args.er.{FAKE_TOKEN}=1"], "method_args.er"),
@@ -203,7 +203,7 @@ BAD_INPUTS: list[tuple[str, list[str], str]] = [
       "&d [*c,*c,*c,*c,*c,*c,*c,*c,*c], &e [*d,*d,*d,*d,*d,*d,*d,*d,*d], &f [*e,*e,*e,*e,*e,*e,*e,*e,*e], "
       "&g [*f,*f,*f,*f,*f,*f,*f,*f,*f], &h [*g,*g,*g,*g,*g,*g,*g,*g,*g], [*h,*h,*h,*h,*h,*h,*h,*h,*h]]"], "report_to"),
     ("push without a repository", ["training.push_to_hub=true"], "push_to_hub"),
-    ("bad Hub repository id", ["hub_model_id=not a repo"], "hub_model_id"),
+    ("bad Hub repository id", ["hub.model_id=not a repo"], "hub.model_id"),
 ]
 
 
@@ -674,8 +674,8 @@ class Faults:
             output_dir = tmp / "run"
             with local_hub_process(tmp / "hub", faults=FaultPlan(**faults)) as endpoint:
                 env = hub_env(endpoint)
-                ran = cli(output_dir, "hub_model_id=hf-ccl-test/faults", "hub_retries=1", "hub_retry_backoff=0.1",
-                          "hub_timeout=10", *extra, env=env)
+                ran = cli(output_dir, "hub.model_id=hf-ccl-test/faults", "hub.retries=1", "hub.backoff=0.1",
+                          "hub.timeout=10", *extra, env=env)
                 leaked = leak(ran, output_dir)
                 if leaked:
                     return Outcome("SILENT WRONG RESULT", exit_text(ran.code), leaked)
@@ -702,20 +702,20 @@ class Faults:
 
         with local_hub_process(tmp / "hub") as endpoint:
             env = hub_env(endpoint)
-            first = cli(tmp / "first", "hub_model_id=hf-ccl-test/faults", env=env)
+            first = cli(tmp / "first", "hub.model_id=hf-ccl-test/faults", env=env)
             if first.code != 0:
                 return self.judge.error(first, "push run: ")
             blob = largest_blob(tmp / "hub")
             flip_bytes(blob)
-            ran = cli(tmp / "again", "hub_model_id=hf-ccl-test/faults", "resume_from_checkpoint=true", env=env)
+            ran = cli(tmp / "again", "hub.model_id=hf-ccl-test/faults", "resume_from_checkpoint=true", env=env)
             if ran.code == 0:
                 return Outcome("SILENT WRONG RESULT", "0", "resumed from a damaged download")
             return self.judge.error(ran, names="safetensors")
 
     def unreachable_hub(self, tmp: Path) -> Outcome:
         output_dir = tmp / "run"
-        ran = cli(output_dir, "hub_model_id=hf-ccl-test/faults", "hub_retries=1", "hub_retry_backoff=0.1",
-                  "hub_timeout=5", env=hub_env("http://127.0.0.1:9"))
+        ran = cli(output_dir, "hub.model_id=hf-ccl-test/faults", "hub.retries=1", "hub.backoff=0.1",
+                  "hub.timeout=5", env=hub_env("http://127.0.0.1:9"))
         if not (output_dir / "task-4").is_dir() and not (output_dir.exists() and ran.code == 2):
             if ran.code != 0 and not output_dir.exists():
                 return self.judge.error(ran)

@@ -32,7 +32,7 @@ SIZES = {
 def run_once(output_dir: Path, size: str, repo: str | None) -> tuple[float, ContinualLearner]:
     stream = build_stream("digits", max_train_per_task=200, max_eval_per_task=60)
     args = ContinualArguments(
-        output_dir=str(output_dir), progress=False, seed=0, hub_model_id=repo,
+        output_dir=str(output_dir), progress=False, seed=0, hub={"model_id": repo},
         training={"num_train_epochs": 2, "per_device_train_batch_size": 32, "learning_rate": 1e-3},
     )
     learner = ContinualLearner(tiny_clip(seed=0, **SIZES[size]), stream, build_methods(["er"]),

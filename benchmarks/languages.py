@@ -117,7 +117,7 @@ def pretrain_english(options, seed: int, tokenizer) -> torch.nn.Module:
         tiny_clip(seed=seed, **MODEL), stream, build_methods(["finetune"]), load_image_processor(MODEL["image_size"]),
         tokenizer,
         ContinualArguments(output_dir=str(options.runs_dir / f"pretrain-{seed}"), save_checkpoints=False,
-                           progress=False, seed=seed, evaluate_initial=False,
+                           progress=False, seed=seed, evaluation={"initial": False},
                            training={"num_train_epochs": options.pretrain_epochs, "per_device_train_batch_size": 64,
                                      "learning_rate": 1e-3, "warmup_steps": 0.1, "lr_scheduler_type": "cosine",
                                      "weight_decay": 0.0}),

@@ -185,7 +185,7 @@ def run_method(candidate: Candidate, config: CLIPConfig, stream, tokenizer, proc
                first_task_epochs: float) -> tuple[SecondTaskTimer, ContinualLearner]:
     timer = SecondTaskTimer()
     args = ContinualArguments(
-        output_dir=runs_dir(), training=training, evaluate_initial=False, save_checkpoints=False,
+        output_dir=runs_dir(), training=training, evaluation={"initial": False}, save_checkpoints=False,
         progress=False, first_task_epochs=first_task_epochs, overwrite_output_dir=True,
     )
     learner = ContinualLearner(new_model(config), stream, build_methods(candidate.methods, candidate.method_args),

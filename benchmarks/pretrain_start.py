@@ -103,7 +103,7 @@ def pretrain(model_sizes: dict[str, int], recipe: dict[str, Any], folder: Path) 
             tiny_clip(seed=recipe["seed"], **model_sizes), stream, build_methods(["finetune"]),
             load_image_processor(model_sizes["image_size"]), tokenizer,
             ContinualArguments(output_dir=os.path.join(runs, "run"), save_checkpoints=False, progress=False,
-                               seed=recipe["seed"], evaluate_initial=False,
+                               seed=recipe["seed"], evaluation={"initial": False},
                                training={"num_train_epochs": recipe["epochs"],
                                          "per_device_train_batch_size": recipe["batch_size"],
                                          "learning_rate": recipe["lr"], "weight_decay": recipe["weight_decay"],

@@ -63,7 +63,7 @@ def run_strategy(name: str, seed: int, stream, tokenizer, options) -> dict:
         tokenizer,
         ContinualArguments(
             output_dir=str(options.runs_dir / f"{name}-{seed}"), save_checkpoints=False, progress=False, seed=seed,
-            evaluate_initial=False, samples_per_task=options.samples_per_step, warmup="first_task",
+            evaluation={"initial": False}, samples_per_task=options.samples_per_step, warmup="first_task",
             training={"per_device_train_batch_size": options.batch_size, "learning_rate": options.lr,
                       "warmup_steps": options.warmup_steps, "lr_scheduler_type": "cosine", "weight_decay": 0.2,
                       "adam_beta2": 0.98, "adam_epsilon": 1e-6, "logging_steps": 50},

@@ -139,7 +139,7 @@ def run_method(
     names = [methods] if isinstance(methods, str) else list(methods)
     args = ContinualArguments(
         output_dir=str(output_dir), training={"logging_steps": 1, **training}, progress=False, seed=seed,
-        **{"evaluate_initial": False, "save_checkpoints": False, **arguments},
+        **{"evaluation": {"initial": False}, "save_checkpoints": False, **arguments},
     )
     model = tiny_model(family, seed=seed)
     learner = ContinualLearner(

@@ -228,7 +228,7 @@ def test_every_methods_checkpoint_loads_as_the_model_it_scored_the_way_its_card_
     row = learner.results.rows[-1].metrics
     for task in learner.stream:
         scores = evaluate_task(model, task, learner.image_processor, learner.tokenizer,
-                               batch_size=learner.args.eval_batch_size, max_length=learner.max_length)
+                               batch_size=learner.args.evaluation.batch_size, max_length=learner.max_length)
         assert scores[task.headline_metric] == row[task.name][task.headline_metric], (method, task.name)
 
 

@@ -45,7 +45,7 @@ class _Logs(TrainerCallback):
 
 def _fit(stream, tokenizer, output_dir, methods, training=TRAINING, model=None, callbacks=None, **kwargs):
     args = ContinualArguments(output_dir=str(output_dir), training=dict(training), progress=False,
-                              evaluate_initial=False, **kwargs)
+                              evaluation={"initial": False}, **kwargs)
     learner = ContinualLearner(model or tiny_clip(seed=0), stream, methods, load_image_processor(32), tokenizer, args,
                                callbacks=callbacks)
     learner.fit()

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
+from hf_ccl.arguments import RENAMED_KEYS, SECTIONS
 from hf_ccl.cli import main
 from hf_ccl.config import (
     CONFIG_DEFAULTS,
@@ -29,14 +30,14 @@ DEFAULT_ARGS: dict[str, Any] = {
     "output_dir": "outputs/run",
     "training": {"num_train_epochs": 8, "per_device_train_batch_size": 64, "learning_rate": 0.001,
                  "weight_decay": 0.1, "warmup_steps": 0.1, "lr_scheduler_type": "cosine", "logging_steps": 10},
-    "first_task_epochs": None, "eval_batch_size": 256, "max_length": None, "seed": 0, "evaluate_initial": True,
-    "save_checkpoints": True, "progress": True, "spatial_disorder_task": None, "samples_per_task": None,
-    "warmup": "every_task", "resume_from_checkpoint": None, "hub_model_id": None, "hub_private_repo": False,
-    "hub_timeout": 60.0, "hub_retries": 3, "hub_retry_backoff": 1.0, "overwrite_output_dir": False,
-    "keep_trainer_checkpoints": False, "card_license": None, "resume_allow_changes": [],
-    "image_modalities": ["image"], "precomputed_modalities": [],
-    "eval_every": 1, "eval_max_examples": None, "eval_cache": True, "image_cache": False,
+    "first_task_epochs": None, "max_length": None, "seed": 0, "save_checkpoints": True, "progress": True,
+    "samples_per_task": None, "warmup": "every_task", "resume_from_checkpoint": None, "overwrite_output_dir": False,
+    "keep_trainer_checkpoints": False, "resume_allow_changes": [], "image_cache": False,
     "classification_loss": "contrastive", "class_scope": "task",
+    "evaluation": {"batch_size": 256, "initial": True, "every": 1, "max_examples": None, "cache": True},
+    "hub": {"model_id": None, "private": False, "timeout": 60.0, "retries": 3, "backoff": 1.0},
+    "card": {"license": None}, "diagnostics": {"spatial_disorder_task": None},
+    "pairs": {"image_modalities": ["image"], "precomputed_modalities": []},
 }
 #: What each bundled recipe changes in them (`training`: the options it changes), recorded the same way.
 RECIPE_ARGS: dict[str, dict[str, Any]] = {
@@ -74,7 +75,8 @@ RECIPE_ARGS: dict[str, dict[str, Any]] = {
         "training": {"num_train_epochs": 5, "per_device_train_batch_size": 128, "learning_rate": 0.0005},
     },
     "modx-flickr8k-random5": {
-        "output_dir": "outputs/modx-flickr8k-random5", "first_task_epochs": 10, "spatial_disorder_task": 0,
+        "output_dir": "outputs/modx-flickr8k-random5", "first_task_epochs": 10,
+        "diagnostics": {"spatial_disorder_task": 0},
         "training": {"num_train_epochs": 5, "per_device_train_batch_size": 128, "learning_rate": 0.0005,
                      "weight_decay": 0.2, "warmup_steps": 0.2, "adam_beta2": 0.99},
     },
@@ -107,7 +109,8 @@ RECIPE_ARGS: dict[str, dict[str, Any]] = {
         "training": {"num_train_epochs": 3, "per_device_train_batch_size": 64, "learning_rate": 0.0005},
     },
     "tic-fashion-years": {
-        "output_dir": "outputs/tic-fashion-years-cumulative_all", "evaluate_initial": False,
+        "output_dir": "outputs/tic-fashion-years-cumulative_all",
+        "evaluation": {**DEFAULT_ARGS["evaluation"], "initial": False},
         "samples_per_task": 4096, "warmup": "first_task",
         "training": {"learning_rate": 0.0005, "weight_decay": 0.2, "warmup_steps": 8, "adam_beta2": 0.98,
                      "adam_epsilon": 1e-06},
@@ -174,13 +177,14 @@ SPECIAL: dict[str, tuple[Any, dict[str, Any]]] = {
     "output_dir": ("outputs/elsewhere", {}),
     "training": ({"num_train_epochs": 2, "learning_rate": 0.01}, {}),
     "warmup": ("first_task", {}),
-    "hub_model_id": ("someone/clip", {}),
-    "card_license": ("mit", {}),
+    "hub": ({"model_id": "someone/clip", "private": True, "timeout": 5.0, "retries": 1, "backoff": 0.5}, {}),
+    "card": ({"license": "mit"}, {}),
+    "evaluation": ({"batch_size": 64, "initial": False, "every": 2, "max_examples": 8, "cache": False}, {}),
+    "diagnostics": ({"spatial_disorder_task": 1}, {}),
     "resume_from_checkpoint": ("auto", {}),
     "resume_allow_changes": (["training.learning_rate"], {"resume_from_checkpoint": "auto"}),
     "samples_per_task": (512, {}),
-    "image_modalities": (["image", "sketch"], {}),
-    "precomputed_modalities": (["audio"], {}),
+    "pairs": ({"image_modalities": ["image", "sketch"], "precomputed_modalities": ["audio"]}, {}),
     "classification_loss": ("cross_entropy", {}),
     "class_scope": ("seen", {}),
 }
@@ -211,20 +215,56 @@ def test_every_loop_field_is_settable_from_yaml_and_from_an_override(tmp_path, i
     from_override = load_config("digits", overrides).continual_arguments()
     if item.name == "training":  # a training section, from YAML, an override or Python, extends the defaults
         value = {**default_training(), **value}
+    if item.name in SECTIONS:  # a section: its dataclass, the same from YAML, an override or Python
+        value = SECTIONS[item.name](**value)
+        dotted = [f"{item.name}.{key}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
+                  for key, v in dataclasses.asdict(value).items()]
+        assert load_config("digits", dotted).continual_arguments() == from_override  # key by key: the same
     assert getattr(from_override, item.name) == value  # an override replaces the value
     assert getattr(from_yaml, item.name) == value
 
 
 def test_a_loop_field_is_checked_as_the_loop_checks_it():
-    with pytest.raises(ConfigError, match="hub_retry_backoff must be a number, got 'slow'"):
-        load_config(None, ["hub_retry_backoff=slow"])
-    with pytest.raises(ConfigError, match=r"hub_retry_backoff must be >= 0, got -1 \(in the overrides\)"):
-        load_config(None, ["hub_retry_backoff=-1"])
+    with pytest.raises(ConfigError, match="hub.backoff must be a number, got 'slow'"):
+        load_config(None, ["hub.backoff=slow"])
+    with pytest.raises(ConfigError, match=r"hub.backoff must be >= 0, got -1 \(in the overrides\)"):
+        load_config(None, ["hub.backoff=-1"])
     with pytest.raises(ConfigError, match="keep_trainer_checkpoints must be true or false"):
         RunConfig(keep_trainer_checkpoints="often")
     with pytest.raises(ConfigError, match="Unknown config key 'hub_retry_backof' in an override; valid keys: stream, "
-                       r"stream_args, .*hub_retry_backoff"):
+                       r"stream_args, .*, hub, card, diagnostics, pairs$"):
         load_config(None, ["hub_retry_backof=2"])
+    with pytest.raises(ConfigError, match=r"Unknown hub option\(s\) \['retry_backoff'\]; valid: model_id, private, "
+                       r"timeout, retries, backoff \(in the overrides\)"):
+        load_config(None, ["hub.retry_backoff=2"])
+
+
+@pytest.mark.parametrize("old", sorted(RENAMED_KEYS))
+def test_a_key_of_an_earlier_version_is_refused_naming_its_new_key(tmp_path, old):
+    new = RENAMED_KEYS[old]
+    with pytest.raises(ConfigError, match=f"^{old} is now {new}$"):
+        load_config(None, [f"{old}=1"])
+    path = tmp_path / "old.yaml"
+    path.write_text(f"{old}: 1\n")
+    with pytest.raises(ConfigError, match=f"^{old} is now {new}$"):
+        load_config(path)
+
+
+def test_a_renamed_key_on_the_command_line_exits_2_naming_the_new_key(tmp_path, capsys):
+    assert main(["train", f"output_dir={tmp_path / 'run'}", "hub_model_id=me/run"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "hf-ccl: error: hub_model_id is now hub.model_id"
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_section_from_python_is_its_dataclass_or_a_dict():
+    from hf_ccl import HubArguments
+
+    given = ContinualArguments(output_dir="x", hub=HubArguments(model_id="me/run"), evaluation={"batch_size": 8})
+    assert given.hub == HubArguments(model_id="me/run") and given.evaluation.batch_size == 8
+    with pytest.raises(ConfigError, match=r"^evaluation.every must be >= 1, got 0$"):
+        ContinualArguments(output_dir="x", evaluation={"every": 0})
+    with pytest.raises(ConfigError, match=r"^Unknown card option\(s\) \['licence'\]; valid: license$"):
+        ContinualArguments(output_dir="x", card={"licence": "mit"})
 
 
 def test_train_help_lists_every_config_key_with_its_help(capsys):
@@ -235,7 +275,11 @@ def test_train_help_lists_every_config_key_with_its_help(capsys):
     for item in dataclasses.fields(RunConfig):
         assert f"{item.name}: " in out, item.name
         assert " ".join(item.metadata["help"].split())[:40] in out, item.name
-    assert "hub_retry_backoff: a number (default 1.0)" in out
+    assert "hub.backoff: a number (default 1.0)" in out
+    for name, section in SECTIONS.items():
+        for item in dataclasses.fields(section):
+            assert f"{name}.{item.name}: " in out, (name, item.name)
+            assert " ".join(item.metadata["help"].split())[:40] in out, (name, item.name)
 
 
 def test_the_cli_checks_a_run_once_and_builds_its_methods_once(tmp_path, monkeypatch, capsys):
@@ -261,8 +305,8 @@ def test_the_cli_checks_a_run_once_and_builds_its_methods_once(tmp_path, monkeyp
         push_report = None
 
         def __init__(self, model: Any, stream: Any, methods: Any, image_processor: Any, tokenizer: Any,
-                     args: ContinualArguments) -> None:
-            seen.update(methods=methods, args=args)
+                     args: ContinualArguments, plan: Any = None) -> None:
+            seen.update(methods=methods, args=args, plan=plan)
 
         def claim_output_dir(self, lock: Any = None) -> None:
             Path(seen["args"].output_dir).mkdir(parents=True, exist_ok=True)  # (run() locked it: it exists)
@@ -275,10 +319,11 @@ def test_the_cli_checks_a_run_once_and_builds_its_methods_once(tmp_path, monkeyp
     monkeypatch.setattr(hf_ccl.run, "load_model", lambda config: "model")
     monkeypatch.setattr(hf_ccl.run, "load_processors", lambda config, model: ("images", "tokenizer"))
     output_dir = tmp_path / "run"
-    code = main(["train", "--config", "custom-stream", f"output_dir={output_dir}", "hub_retry_backoff=0.5",
+    code = main(["train", "--config", "custom-stream", f"output_dir={output_dir}", "hub.backoff=0.5",
                  "methods=[er]"])
     assert code == 0, capsys.readouterr().err
-    assert calls == {"build_methods": 1, "check_stream_spec": 1, "validate": 2}  # load_config's, then the check's
+    assert calls == {"build_methods": 1, "check_stream_spec": 1, "validate": 1}  # load_config's, reused by the check
     assert [method.name for method in seen["methods"]] == ["er"]
-    assert seen["args"].hub_retry_backoff == 0.5 and seen["args"].output_dir == str(output_dir)
-    assert yaml.safe_load((output_dir / "run_config.yaml").read_text())["hub_retry_backoff"] == 0.5
+    assert seen["plan"].covers(seen["args"], seen["methods"])  # so the learner does not check them again
+    assert seen["args"].hub.backoff == 0.5 and seen["args"].output_dir == str(output_dir)
+    assert yaml.safe_load((output_dir / "run_config.yaml").read_text())["hub"]["backoff"] == 0.5

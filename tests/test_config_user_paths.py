@@ -42,7 +42,7 @@ def test_a_schedule_without_warmup_drops_the_default_warmup_but_refuses_a_given_
 
 # ----- tokens -------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("override", [
-    f"hub_model_id=someone/{TOKEN}", f"card_license={TOKEN}", f"training.run_name={TOKEN}",
+    f"hub.model_id=someone/{TOKEN}", f"card.license={TOKEN}", f"training.run_name={TOKEN}",
     f"model.pretrained={TOKEN}", f"method_args.er.{TOKEN}=1", f"stream_args.note=x{TOKEN}x",
 ])
 def test_a_token_anywhere_in_a_config_is_refused_without_echoing_it(tmp_path, capsys, override):
@@ -54,8 +54,8 @@ def test_a_token_anywhere_in_a_config_is_refused_without_echoing_it(tmp_path, ca
 
 
 def test_a_token_given_in_python_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match="hub_model_id holds what looks like a Hugging Face token") as raised:
-        ContinualArguments(output_dir=str(tmp_path), hub_model_id=f"me/{TOKEN}")
+    with pytest.raises(ConfigError, match="hub.model_id holds what looks like a Hugging Face token") as raised:
+        ContinualArguments(output_dir=str(tmp_path), hub={"model_id": f"me/{TOKEN}"})
     assert TOKEN not in str(raised.value)
 
 

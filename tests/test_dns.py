@@ -236,7 +236,7 @@ def test_two_task_tiny_clip_run_projects_the_second_task_and_state_round_trips(t
         output_dir=str(tmp_path),
         training={"max_steps": 3, "per_device_train_batch_size": 8, "logging_steps": 1, "learning_rate": 1e-3},
         progress=False,
-        evaluate_initial=False,
+        evaluation={"initial": False},
     )
     options = {"dns": {"threshold_mode": "relative", "threshold_in": 1e-3, "threshold_out": 1e-3}}
     methods = build_methods(["dns"], options)

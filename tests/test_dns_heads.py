@@ -215,7 +215,7 @@ def test_loop_dns_on_heads_is_second_order_under_sgd_and_plain_above_threshold(c
     plain training's on the same stream, and halving η quarters it (second order) while plain training's halves;
     a threshold above every eigenvalue keeps nothing: exactly plain training."""
     stream = _vector_stream()
-    vectors = {"precomputed_modalities": ["a", "b"], "evaluate_initial": False, "save_checkpoints": False}
+    vectors = {"pairs": {"precomputed_modalities": ["a", "b"]}, "evaluation": {"initial": False}, "save_checkpoints": False}
     unfolded = {"learner_heads": {"fold_image_modality": None, "fold_text_modality": None, "temperature": 1.0}}
     strict = {**unfolded, "dns": {"project": "update", "threshold_in": 1e-6, "threshold_out": 1e-6}}
     runs = {}

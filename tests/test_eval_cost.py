@@ -169,10 +169,10 @@ def test_other_settings_and_rows_recompute(tasks, processor, tokenizer):
 
 
 def test_options_are_checked():
-    for values, message in (({"eval_every": 0}, "eval_every must be >= 1"),
-                            ({"eval_max_examples": 0}, "eval_max_examples must be >= 1"),
-                            ({"eval_every": "often"}, "eval_every must be an integer"),
-                            ({"eval_cache": "yes"}, "eval_cache must be true or false")):
+    for values, message in (({"evaluation": {"every": 0}}, "evaluation.every must be >= 1"),
+                            ({"evaluation": {"max_examples": 0}}, "evaluation.max_examples must be >= 1"),
+                            ({"evaluation": {"every": "often"}}, "evaluation.every must be an integer"),
+                            ({"evaluation": {"cache": "yes"}}, "evaluation.cache must be true or false")):
         with pytest.raises(ConfigError, match=message):
             ContinualArguments(output_dir="x", **values)
     assert [evaluated_after(i, 5, 2) for i in range(5)] == [False, True, False, True, True]
@@ -256,7 +256,7 @@ def _two_tasks() -> TaskStream:
     return TaskStream(stream.name, stream.tasks[:2])
 
 
-OPTIONS = {"eval_every": 2, "eval_max_examples": 8}
+OPTIONS = {"evaluation": {"every": 2, "max_examples": 8}}
 
 
 def test_eval_every_in_a_run_marks_the_rows_it_skips(tmp_path):
@@ -279,11 +279,11 @@ def test_a_resumed_run_with_eval_every_gives_the_same_matrix(tmp_path):
     _learner(tmp_path / "resumed", stream, callbacks=[StopAfterTask(0)], **options).fit()
     resumed = _learner(tmp_path / "resumed", stream, resume=True, **options).fit()
     assert resumed.to_dict()["rows"] == expected.to_dict()["rows"]
-    other = _learner(tmp_path / "resumed", stream, resume=True, eval_every=2)  # all eval rows this time
-    with pytest.raises(ConfigError, match=r"eval_max_examples: 8 -> '<not set>'"):  # before anything is trained
+    other = _learner(tmp_path / "resumed", stream, resume=True, evaluation={"every": 2})  # all eval rows this time
+    with pytest.raises(ConfigError, match=r"evaluation.max_examples: 8 -> '<not set>'"):  # before anything is trained
         other.fit()
-    other = _learner(tmp_path / "resumed", stream, resume=True, eval_every=2,
-                     resume_allow_changes=["eval_max_examples"])
+    other = _learner(tmp_path / "resumed", stream, resume=True, evaluation={"every": 2},
+                     resume_allow_changes=["evaluation.max_examples"])
     other.restore(tmp_path / "resumed" / "task-1")
     with pytest.raises(ValueError, match="would not be comparable"):  # and allowing it cannot mix the rows
         other.evaluate()

@@ -251,7 +251,7 @@ class RecordingAGEM(AGEM):
 
 def fit(methods: list, output_dir: Path, training: dict[str, Any] | None = None, seed: int = 1) -> ContinualLearner:
     args = ContinualArguments(output_dir=str(output_dir), training=dict(training or TRAINING), progress=False,
-                              seed=seed, evaluate_initial=False, save_checkpoints=False)
+                              seed=seed, evaluation={"initial": False}, save_checkpoints=False)
     learner = ContinualLearner(tiny_clip(seed=seed), conflicting_stream(), methods, load_image_processor(32),
                                load_tokenizer(), args)
     learner.fit()

@@ -29,8 +29,8 @@ REPO = "hf-ccl-test/clip-digits"
 
 def _run(output_dir: Path, repo: str | None = REPO, resume: bool = False, callbacks=(), **hub):
     learner = resumable_run.build_learner(str(output_dir), ["er"], resume, repo, list(callbacks))
-    for key, value in hub.items():
-        setattr(learner.args, key, value)
+    for key, value in hub.items():  # options of the hub section (HubArguments)
+        setattr(learner.args.hub, key, value)
     return learner, learner.fit()
 
 
@@ -110,7 +110,7 @@ def test_failing_hub_training_goes_on_and_failed_pushes_land_later(local_hub, tm
                 local_hub.faults = FaultPlan()
 
     local_hub.faults = FaultPlan(fail_every=1)
-    learner, results = _run(tmp_path, callbacks=[Recover()], hub_retries=1, hub_retry_backoff=0.01)
+    learner, results = _run(tmp_path, callbacks=[Recover()], retries=1, backoff=0.01)
     assert results.num_trained == 3
     report = learner.push_report
     assert not report.failed, report.summary()
@@ -121,7 +121,7 @@ def test_failing_hub_training_goes_on_and_failed_pushes_land_later(local_hub, tm
 
 def test_dropped_requests_still_end_with_every_revision(local_hub, tmp_path):
     local_hub.faults = FaultPlan(drop_every=3)
-    learner, _ = _run(tmp_path, hub_retry_backoff=0.01, hub_retries=5)
+    learner, _ = _run(tmp_path, backoff=0.01, retries=5)
     assert not learner.push_report.failed, learner.push_report.summary()
     local_hub.faults = FaultPlan()
     branches = {b.name for b in HfApi().list_repo_refs(REPO).branches}
@@ -132,7 +132,7 @@ def test_dropped_requests_still_end_with_every_revision(local_hub, tmp_path):
 def test_a_hub_that_never_answers_costs_a_bounded_time(local_hub, tmp_path):
     local_hub.faults = FaultPlan(hang_every=1)
     started = time.perf_counter()
-    learner, results = _run(tmp_path, hub_timeout=0.5, hub_retries=0)
+    learner, results = _run(tmp_path, timeout=0.5, retries=0)
     elapsed = time.perf_counter() - started
     local_hub.faults = FaultPlan()
     assert results.num_trained == 3
@@ -239,7 +239,7 @@ def test_an_unreachable_hub_loses_nothing_but_the_pushes(tmp_path):
 
     port = _free_port()  # bound and released: connections are refused
     with local_hub_endpoint(f"http://127.0.0.1:{port}", cache_dir=tmp_path / "cache"):
-        learner, results = _run(tmp_path / "run", hub_retries=1, hub_retry_backoff=0.01, hub_timeout=2)
+        learner, results = _run(tmp_path / "run", retries=1, backoff=0.01, timeout=2)
     assert results.num_trained == 3
     assert [r.task_index for r in learner.push_report.failed] == [0, 1, 2]
     assert all("Connect" in r.error or "connect" in r.error for r in learner.push_report.failed), \
@@ -257,7 +257,7 @@ def test_a_cli_run_whose_pushes_fail_exits_1_after_every_checkpoint_then_hf_ccl_
     code = main(["train", "--config", "digits", f"output_dir={run_dir}", "progress=false", "training.max_steps=2",
                  "training.per_device_train_batch_size=16", "stream_args.max_train_per_task=32",
                  "stream_args.max_eval_per_task=10", "model.config.hidden_size=32", "model.config.num_layers=1",
-                 f"hub_model_id={REPO}", "hub_retries=1", "hub_retry_backoff=0.01"])
+                 f"hub.model_id={REPO}", "hub.retries=1", "hub.backoff=0.01"])
     captured = capsys.readouterr()
     assert code == 1
     assert all((run_dir / f"task-{k}" / "checkpoint_manifest.json").exists() for k in range(5))

@@ -114,7 +114,7 @@ def _learner(tmp_path, name: str, image_cache, processor=None, recorder=None) ->
     stream = build_stream("digits", max_train_per_task=16, max_eval_per_task=8)
     stream.tasks = stream.tasks[:1]
     args = ContinualArguments(
-        output_dir=str(tmp_path / name), progress=False, evaluate_initial=False, save_checkpoints=False,
+        output_dir=str(tmp_path / name), progress=False, evaluation={"initial": False}, save_checkpoints=False,
         image_cache=image_cache, training={"per_device_train_batch_size": 8, "num_train_epochs": 1, "logging_steps": 1},
     )
     return ContinualLearner(tiny_clip(seed=0), stream, build_methods("finetune"), processor or load_image_processor(32),

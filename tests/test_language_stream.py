@@ -96,7 +96,7 @@ def two_languages(tmp_path_factory, clip_tokenizer):
     output_dir = tmp_path_factory.mktemp("languages")
     methods = build_methods(["grow_vocab", "finetune"], {"grow_vocab": {
         "vocab_size": 600, "skip_languages": ["en"], "context_length": 96, "report_captions": 50}})
-    args = ContinualArguments(output_dir=str(output_dir), progress=False, evaluate_initial=False,
+    args = ContinualArguments(output_dir=str(output_dir), progress=False, evaluation={"initial": False},
                               training={"max_steps": 3, "per_device_train_batch_size": 16, "learning_rate": 1e-3})
     learner = ContinualLearner(tiny_clip(seed=0), stream, methods, load_image_processor(32), clip_tokenizer, args)
     learner.fit()

@@ -154,7 +154,7 @@ class _FrozenBaseProbe(ContinualMethod):
 
 def _run(stream, tokenizer, output_dir, methods, model=None):
     training = {"max_steps": 8, "per_device_train_batch_size": 16, "learning_rate": 5e-3}
-    args = ContinualArguments(output_dir=str(output_dir), training=training, progress=False, eval_batch_size=64)
+    args = ContinualArguments(output_dir=str(output_dir), training=training, progress=False, evaluation={"batch_size": 64})
     learner = ContinualLearner(model or tiny_clip(), stream, methods, load_image_processor(32), tokenizer, args)
     return learner, learner.fit()
 
@@ -230,7 +230,7 @@ def test_resuming_mid_task_continues_the_adapter(tmp_path, clip_tokenizer):
                 "save_steps": 2}
 
     def fit(resume):
-        args = ContinualArguments(output_dir=str(tmp_path), training=training, progress=False, eval_batch_size=64,
+        args = ContinualArguments(output_dir=str(tmp_path), training=training, progress=False, evaluation={"batch_size": 64},
                                   resume_from_checkpoint=resume, keep_trainer_checkpoints=True)
         methods = build_methods(["lora"], {"lora": {"r": 2}})
         learner = ContinualLearner(tiny_clip(), stream, methods, load_image_processor(32), clip_tokenizer, args)

@@ -384,7 +384,7 @@ class _Recorder(MoEAdapters):
 def _fit(tmp_path, tokenizer, options=None, tasks=2, training=None, **arguments):
     model = tiny_model("clip")
     methods = [_Recorder({**SMALL, **(options or {})})]
-    args = ContinualArguments(output_dir=str(tmp_path), progress=False, eval_batch_size=64,
+    args = ContinualArguments(output_dir=str(tmp_path), progress=False, evaluation={"batch_size": 64},
                               training={"max_steps": 4, "per_device_train_batch_size": 16, "learning_rate": 5e-2,
                                         **(training or {})}, **arguments)
     learner = ContinualLearner(model, _stream(tasks), methods, load_image_processor(32), tokenizer, args)
@@ -482,7 +482,7 @@ def test_resuming_mid_task_restores_routers_counts_and_experts(tmp_path, clip_to
     def fit(resume):
         learner, method = _fit(tmp_path, clip_tokenizer, {"router_noise": True, "dropout": 0.1}, training=training,
                                resume_from_checkpoint=resume, keep_trainer_checkpoints=True,
-                               evaluate_initial=False)
+                               evaluation={"initial": False})
         return method.state_dict()
 
     uninterrupted = fit(None)
@@ -509,7 +509,7 @@ def test_the_evaluator_scores_each_route_with_its_own_image_and_text_embeddings(
     model = tiny_model()
     frozen = copy.deepcopy(model).eval()
     processor, tokenizer = default_image_processor(model), load_tokenizer()
-    args = ContinualArguments(output_dir=str(tmp_path), save_checkpoints=False, progress=False, evaluate_initial=False,
+    args = ContinualArguments(output_dir=str(tmp_path), save_checkpoints=False, progress=False, evaluation={"initial": False},
                               training={"max_steps": 3, "per_device_train_batch_size": 16})
     learner = ContinualLearner(model, stream, build_methods(["moe_adapters"], {"moe_adapters": SMALL}),
                                processor, tokenizer, args)
@@ -549,7 +549,7 @@ CLI_RUN = ["train", "--config", "digits", "methods=[moe_adapters]", "model.confi
            "stream_args.max_eval_per_task=16", "training.max_steps=2", "training.per_device_train_batch_size=16",
            "training.gradient_accumulation_steps=2", "training.learning_rate=1.0", "training.warmup_steps=0",
            "method_args.moe_adapters={num_experts: 4, bottleneck: 8, ddas_steps: 20, ddas_code_dim: 8}",
-           f"hub_model_id={REPO}"]
+           f"hub.model_id={REPO}"]
 
 
 @pytest.fixture(scope="module")

@@ -309,7 +309,7 @@ def test_yaml_spec_with_files_under_the_data_root(own_data, tmp_path, monkeypatc
 def test_short_run_on_a_csv_stream_from_another_working_directory(own_data, tmp_path, monkeypatch):
     config = {
         "stream": _spec(name="my-csv"), "data_root": str(own_data["folder"].parent), "methods": ["finetune"],
-        "output_dir": str(tmp_path / "run"), "progress": False, "evaluate_initial": False,
+        "output_dir": str(tmp_path / "run"), "progress": False, "evaluation": {"initial": False},
         "model": {"pretrained": None, "config": {"hidden_size": 32, "num_layers": 1, "num_heads": 2,
                                                   "image_size": 32, "patch_size": 8, "projection_dim": 32}},
         "training": {"max_steps": 2, "per_device_train_batch_size": 4, "learning_rate": 1e-3, "logging_steps": 1},

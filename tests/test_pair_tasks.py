@@ -143,7 +143,7 @@ def test_any_encoder_plugs_in(tmp_path, clip_tokenizer):
     vectors = audio_features @ rotation + 0.01 * torch.randn(64, dim, generator=generator)  # a rotation to learn
     rows = {"audio": raw_audio.tolist(), "vec": vectors.tolist()}
     task = Task("audio-vec", Dataset.from_dict(rows), Dataset.from_dict(rows), kind="pair", modalities=("audio", "vec"))
-    arguments = ContinualArguments(output_dir=str(tmp_path), progress=False, precomputed_modalities=["vec"],
+    arguments = ContinualArguments(output_dir=str(tmp_path), progress=False, pairs={"precomputed_modalities": ["vec"]},
                                    training={**TRAINING, "max_steps": 30, "learning_rate": 5e-2})
     options = {"learner_heads": {"fold_image_modality": None, "fold_text_modality": None, "temperature": 0.1}}
     learner = ContinualLearner(
@@ -218,9 +218,9 @@ def test_the_pair_recipe_runs_from_the_command_line(tmp_path, capsys):
 
 def test_encoder_settings_are_checked():
     with pytest.raises(ConfigError, match="one encoder"):
-        ContinualArguments(output_dir="x", image_modalities=["image"], precomputed_modalities=["image"])
+        ContinualArguments(output_dir="x", pairs={"image_modalities": ["image"], "precomputed_modalities": ["image"]})
     with pytest.raises(ConfigError, match="modality names"):
-        ContinualArguments(output_dir="x", image_modalities=[""])
+        ContinualArguments(output_dir="x", pairs={"image_modalities": [""]})
 
 
 @pytest.mark.parametrize("method", ["er", "lwf", "modx", "ctp"])
@@ -306,7 +306,7 @@ def test_every_pair_task_is_pushed_as_a_plain_clip_revision(pair_stream, clip_to
 
     repo = "hf-ccl-test/clip-pairs"
     learner = _learner(TaskStream("two", pair_stream.tasks[:2]), tmp_path / "run", methods=("learner_heads", "dns"),
-                       clip_tokenizer=clip_tokenizer, hub_model_id=repo)
+                       clip_tokenizer=clip_tokenizer, hub={"model_id": repo})
     learner.fit()
     assert learner.push_report is not None and not learner.push_report.failed
     for k in range(2):

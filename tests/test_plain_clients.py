@@ -109,7 +109,7 @@ def runs(hub, small_tokenizer, tmp_path_factory) -> dict[str, Path]:
         HfApi().upload_folder(repo_id=start, folder_path=root / start)
         config = {"stream": STREAM, "stream_args": STREAM_ARGS, "methods": ["finetune"], "progress": False,
                   "model": {"pretrained": start}, "output_dir": str(root / family),
-                  "hub_model_id": f"{NAMESPACE}/plain-{family}", "evaluate_initial": False,
+                  "hub": {"model_id": f"{NAMESPACE}/plain-{family}"}, "evaluation": {"initial": False},
                   "training": {"max_steps": 4, "per_device_train_batch_size": 8, "learning_rate": 1e-2}}
         path = root / f"{family}.yaml"
         path.write_text(yaml.safe_dump(config), encoding="utf-8")

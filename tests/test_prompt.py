@@ -124,7 +124,7 @@ def test_state_dict_round_trip(tmp_path):
 
 def _run(stream, tokenizer, output_dir, methods, model):
     training = {"max_steps": 8, "per_device_train_batch_size": 16, "learning_rate": 5e-2}
-    args = ContinualArguments(output_dir=str(output_dir), training=training, progress=False, eval_batch_size=64)
+    args = ContinualArguments(output_dir=str(output_dir), training=training, progress=False, evaluation={"batch_size": 64})
     learner = ContinualLearner(model, stream, methods, load_image_processor(32), tokenizer, args)
     return learner, learner.fit()
 
@@ -214,7 +214,7 @@ def test_resuming_mid_task_restores_the_prompt_being_trained(tmp_path, clip_toke
                 "save_steps": 2}
 
     def fit(resume):
-        args = ContinualArguments(output_dir=str(tmp_path), training=training, progress=False, eval_batch_size=64,
+        args = ContinualArguments(output_dir=str(tmp_path), training=training, progress=False, evaluation={"batch_size": 64},
                                   resume_from_checkpoint=resume, keep_trainer_checkpoints=True)
         methods = build_methods(["prompt"], {"prompt": {"n_ctx": 2}})
         ContinualLearner(tiny_clip(), stream, methods, load_image_processor(32), clip_tokenizer, args).fit()

@@ -348,7 +348,7 @@ def test_methods_on_a_real_stream_and_state_round_trip(tmp_path, clip_tokenizer)
             "weight_decay": 0.0,
         },
         progress=False,
-        evaluate_initial=False,
+        evaluation={"initial": False},
     )
     trained = methods()
     recorder = TrainingLogRecorder()

@@ -305,7 +305,7 @@ def test_three_task_digits_run(tmp_path, digits_stream, clip_tokenizer, method_c
     args = ContinualArguments(
         output_dir=str(tmp_path),
         training={"max_steps": 3, "per_device_train_batch_size": 16, "logging_steps": 1},
-        evaluate_initial=False,
+        evaluation={"initial": False},
         progress=False,
     )
     recorder = TrainingLogRecorder()

@@ -132,7 +132,7 @@ def test_restore_takes_a_saved_tokenizer_of_the_same_length_with_other_merges(tm
     def learner(resume: bool) -> ContinualLearner:
         args = ContinualArguments(output_dir=str(tmp_path),
                                   training={"max_steps": 1, "per_device_train_batch_size": 16, "warmup_steps": 0},
-                                  progress=False, seed=1, evaluate_initial=False, resume_from_checkpoint=resume or None)
+                                  progress=False, seed=1, evaluation={"initial": False}, resume_from_checkpoint=resume or None)
         return ContinualLearner(tiny_clip(seed=1), stream, build_methods(["grow_vocab"]), load_image_processor(32),
                                 load_tokenizer(), args)
 
@@ -150,7 +150,7 @@ def test_restore_takes_a_saved_tokenizer_of_the_same_length_with_other_merges(tm
 
 # ----- checkpoints that cannot be resumed as they are: one line naming what to fix ---------------------------------
 GROWN_RUN = ["stream={builder: random_split, train: cifar10, n_tasks: 2, label_column: label}", "progress=false",
-             "evaluate_initial=false", "training.max_steps=1", "training.warmup_steps=0",
+             "evaluation.initial=false", "training.max_steps=1", "training.warmup_steps=0",
              "training.per_device_train_batch_size=8",
              "stream_args.max_train_per_task=16", "stream_args.max_eval_per_task=8", "model.config.hidden_size=32",
              "model.config.num_layers=1", "methods=[grow_vocab]", "method_args.grow_vocab.vocab_size=300",

@@ -118,7 +118,7 @@ def test_disorder_is_measured_after_every_task_of_a_run(tmp_path, clip_tokenizer
     stream.tasks = stream.tasks[:2]
     args = ContinualArguments(
         output_dir=str(tmp_path), training={"max_steps": 2, "per_device_train_batch_size": 8}, progress=False,
-        spatial_disorder_task=0,
+        diagnostics={"spatial_disorder_task": 0},
     )
     learner = ContinualLearner(tiny_clip(), stream, build_methods(["finetune"]), load_image_processor(32),
                                clip_tokenizer, args)

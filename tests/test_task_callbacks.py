@@ -45,7 +45,7 @@ def _learner(tmp_path, callbacks, tasks: int = 2) -> ContinualLearner:
     stream = build_stream("digits", max_train_per_task=16, max_eval_per_task=8)
     stream.tasks = stream.tasks[:tasks]
     args = ContinualArguments(
-        output_dir=str(tmp_path / "run"), progress=False, evaluate_initial=False,
+        output_dir=str(tmp_path / "run"), progress=False, evaluation={"initial": False},
         training={"per_device_train_batch_size": 8, "num_train_epochs": 1, "logging_steps": 1},
     )
     return ContinualLearner(tiny_clip(seed=0), stream, build_methods("finetune"), load_image_processor(32),

@@ -135,7 +135,7 @@ def test_the_optimizer_leaves_the_embedding_decay_to_teir(tmp_path):
 def _fit(stream, tokenizer, tmp_path, names, options=None, steps=3):
     training = {"max_steps": steps, "per_device_train_batch_size": 4, "learning_rate": 1e-2, "weight_decay": 0.05,
                 "warmup_steps": 0, "lr_scheduler_type": "linear"}
-    args = ContinualArguments(output_dir=str(tmp_path), training=training, progress=False, evaluate_initial=False,
+    args = ContinualArguments(output_dir=str(tmp_path), training=training, progress=False, evaluation={"initial": False},
                               save_checkpoints=False)
     methods = build_methods(names, options)
     model = tiny_clip(seed=0)

@@ -346,7 +346,7 @@ def test_budget_and_lr_schedule_of_every_strategy(tmp_path, digits3, name):
     trace = LRTrace()
     args = ContinualArguments(
         output_dir=str(tmp_path), samples_per_task=BATCH * STEPS, warmup="first_task", progress=False,
-        save_checkpoints=False, evaluate_initial=False, eval_batch_size=64,
+        save_checkpoints=False, evaluation={"initial": False, "batch_size": 64},
         training={"per_device_train_batch_size": BATCH, "learning_rate": PEAK, "warmup_steps": WARMUP,
                   "lr_scheduler_type": "cosine", "logging_steps": 100},
     )

@@ -261,8 +261,8 @@ def test_short_run_spends_the_budget(tmp_path, shared_data_root, monkeypatch, st
     monkeypatch.setattr(collate_module, "CLIPCollator", _CountingCollator)  # what the task kind batches with
     _CountingCollator.sizes = []
     args = ContinualArguments(
-        output_dir=str(tmp_path), samples_per_task=48, progress=False, save_checkpoints=False, evaluate_initial=False,
-        eval_batch_size=64, training={"per_device_train_batch_size": 16, "logging_steps": 100},
+        output_dir=str(tmp_path), samples_per_task=48, progress=False, save_checkpoints=False,
+        evaluation={"initial": False, "batch_size": 64}, training={"per_device_train_batch_size": 16, "logging_steps": 100},
     )
     learner = ContinualLearner(tiny_clip(seed=0), stream, [], load_image_processor(32), load_tokenizer(), args)
     results = learner.fit()
@@ -282,7 +282,7 @@ def test_streaming_run_without_budget_fails_before_training(tmp_path, shared_dat
 def test_stream_shorter_than_one_batch_is_an_error(tmp_path, shared_data_root) -> None:
     stream = build_stream("fashion-years", data_root=shared_data_root, streaming=True, max_train_per_task=10,
                           max_eval_per_task=4)
-    args = ContinualArguments(output_dir=str(tmp_path), samples_per_task=16, progress=False, evaluate_initial=False,
+    args = ContinualArguments(output_dir=str(tmp_path), samples_per_task=16, progress=False, evaluation={"initial": False},
                               training={"per_device_train_batch_size": 16})
     learner = ContinualLearner(tiny_clip(seed=0), stream, [], load_image_processor(32), load_tokenizer(), args)
     with pytest.raises(ValueError, match="Task 0 .'2011'. has no training examples .a stream must hold at least one"):

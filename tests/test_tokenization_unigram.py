@@ -95,7 +95,7 @@ def test_grow_vocab_and_teir_on_a_sentencepiece_family(sentencepiece, shared_dat
 def _learner(tokenizer, data_root, output_dir, method_args, family: str = "siglip", methods=("grow_vocab",)):
     model = tiny_model(family, seed=0, vocab_size=len(tokenizer), max_position_embeddings=32,
                        bos_token_id=1, eos_token_id=1, pad_token_id=0)
-    args = ContinualArguments(output_dir=str(output_dir), progress=False, evaluate_initial=False,
+    args = ContinualArguments(output_dir=str(output_dir), progress=False, evaluation={"initial": False},
                               training={"max_steps": 2, "per_device_train_batch_size": 8, "learning_rate": 1e-3})
     return ContinualLearner(model, language_stream(data_root, ("en", "de"), images=16),
                             build_methods(list(methods), method_args), default_image_processor(model), tokenizer, args)

@@ -137,7 +137,7 @@ class _NaNFrom(ContinualMethod):
 def _fit_nan(tmp_path, clip_tokenizer, method, **training):
     stream = build_stream("digits", max_train_per_task=64, max_eval_per_task=8)
     stream.tasks = stream.tasks[:1]
-    args = ContinualArguments(output_dir=str(tmp_path), progress=False, evaluate_initial=False,
+    args = ContinualArguments(output_dir=str(tmp_path), progress=False, evaluation={"initial": False},
                               training={"per_device_train_batch_size": 16, "max_steps": 6, "warmup_steps": 0,
                                         **training})
     recorder = _Logs()
@@ -218,7 +218,7 @@ def test_a_nan_weight_after_the_last_update_is_neither_evaluated_nor_saved(tmp_p
 
     stream = build_stream("digits", max_train_per_task=32, max_eval_per_task=8)
     stream.tasks = stream.tasks[:2]
-    args = ContinualArguments(output_dir=str(tmp_path), progress=False, evaluate_initial=False,
+    args = ContinualArguments(output_dir=str(tmp_path), progress=False, evaluation={"initial": False},
                               training={"per_device_train_batch_size": 16, "max_steps": 2})
     learner = ContinualLearner(tiny_clip(), stream, [*build_methods(["finetune"]), _NaNAfterLastStep(1)],
                                load_image_processor(32), clip_tokenizer, args)

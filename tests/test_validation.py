@@ -45,19 +45,19 @@ def _refused(tmp_path, capsys, *overrides, config="digits"):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["eval_batch_size=0"], "eval_batch_size must be >= 1, got 0"),
+        (["evaluation.batch_size=0"], "evaluation.batch_size must be >= 1, got 0"),
         (["max_length=1"], "max_length must be >= 2"),
         (["samples_per_task=0"], "samples_per_task must be >= 1"),
         (["first_task_epochs=0"], "first_task_epochs must be > 0"),
-        (["hub_timeout=0"], "hub_timeout must be > 0"),
-        (["hub_retries=-1"], "hub_retries must be >= 0"),
-        (["hub_retry_backoff=-1"], "hub_retry_backoff must be >= 0"),
+        (["hub.timeout=0"], "hub.timeout must be > 0"),
+        (["hub.retries=-1"], "hub.retries must be >= 0"),
+        (["hub.backoff=-1"], "hub.backoff must be >= 0"),
         (["seed=1.5"], "seed must be an integer, got 1.5"),
         (["seed=-1"], "seed must be in [0, 4294967295]"),
         (["progress=maybe"], "progress must be true or false, got 'maybe'"),
         (["warmup=last_task"], "warmup must be one of ['every_task', 'first_task']"),
-        (["spatial_disorder_task=-1"], "spatial_disorder_task must be >= 0"),
-        (["hub_model_id=not a repo"], "hub_model_id 'not a repo' is not a Hub repository id"),
+        (["diagnostics.spatial_disorder_task=-1"], "diagnostics.spatial_disorder_task must be >= 0"),
+        (["hub.model_id=not a repo"], "hub.model_id 'not a repo' is not a Hub repository id"),
         (["resume_from_checkpoint=no/such/run"], "resume_from_checkpoint: no such folder 'no/such/run'"),
         (["training.learning_rate=abc"], "training.learning_rate must be a number, got 'abc'"),
         (["training.learning_rate=0"], "training.learning_rate must be > 0"),
@@ -73,7 +73,7 @@ def _refused(tmp_path, capsys, *overrides, config="digits"):
         (["training.per_device_train_batch_size=[64]"], "training.per_device_train_batch_size must be an integer"),
         (["training.seed=3"], "training.seed is not taken: hf_ccl seeds task k with seed + k"),
         (["training.resume_from_checkpoint=true"], "set the top-level resume_from_checkpoint"),
-        (["training.per_device_eval_batch_size=8"], "top-level eval_batch_size"),
+        (["training.per_device_eval_batch_size=8"], "evaluation.batch_size"),
         (["training.label_smoothing_factor=0.1"], "training.label_smoothing_factor is not taken"),
         (["training.disable_tqdm=true"], "set the top-level progress: false"),
         (["training.save_only_model=true"], "training.save_only_model=True is not taken"),
@@ -84,7 +84,7 @@ def _refused(tmp_path, capsys, *overrides, config="digits"):
          "remove training.dataloader_drop_last"),
         (["training.save_steps=5"], "training.save_steps has no effect without training.save_strategy: steps or epoch"),
         (["training.hub_model_id=me/clip"], "training.hub_model_id has no effect without training.push_to_hub: true"),
-        (["training.push_to_hub=true"], "training.push_to_hub needs a repository: set hub_model_id"),
+        (["training.push_to_hub=true"], "training.push_to_hub needs a repository: set hub.model_id"),
         (["training.lr_scheduler_type=constant"], "training.warmup_steps has no effect without a schedule that warms up"),
         (["training.dataloader_persistent_workers=true"], "without training.dataloader_num_workers >= 1"),
         (["training.log_level=loud"], "training.log_level must be one of ['detail', 'debug',"),
@@ -176,13 +176,13 @@ def test_config_file_errors_name_the_file(tmp_path, capsys):
 
 
 def test_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
-    assert main(["--debug", "train", f"output_dir={tmp_path / 'a'}", "eval_batch_size=0"]) == 2
+    assert main(["--debug", "train", f"output_dir={tmp_path / 'a'}", "evaluation.batch_size=0"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" in err and "ConfigError" in err and err.rstrip().endswith("got 0 (in the overrides)")
-    assert main(["train", "--debug", f"output_dir={tmp_path / 'b'}", "eval_batch_size=0"]) == 2
+    assert main(["train", "--debug", f"output_dir={tmp_path / 'b'}", "evaluation.batch_size=0"]) == 2
     assert "Traceback" in capsys.readouterr().err
     monkeypatch.setenv("HF_CCL_DEBUG", "1")
-    assert main(["train", f"output_dir={tmp_path / 'c'}", "eval_batch_size=0"]) == 2
+    assert main(["train", f"output_dir={tmp_path / 'c'}", "evaluation.batch_size=0"]) == 2
     assert "Traceback" in capsys.readouterr().err
 
 
@@ -231,7 +231,7 @@ def test_sigterm_during_a_run_reports_the_checkpoint_to_resume_from(tmp_path):
     stops it with exit code 143, no traceback, and the command that resumes it."""
     output_dir = tmp_path / "run"
     command = [sys.executable, "-m", "hf_ccl.cli", "train", "--config", "digits", f"output_dir={output_dir}",
-               "progress=false", "evaluate_initial=false", "first_task_epochs=1", "training.max_steps=1000000",
+               "progress=false", "evaluation.initial=false", "first_task_epochs=1", "training.max_steps=1000000",
                "training.per_device_train_batch_size=16", "stream_args.max_train_per_task=32",
                "stream_args.max_eval_per_task=8", "model.config.hidden_size=32", "model.config.num_layers=1"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -272,10 +272,10 @@ def test_run_checks_everything_before_building_or_writing(tmp_path):
 
 
 def test_continual_arguments_check_every_value():
-    with pytest.raises(ConfigError, match="eval_batch_size must be >= 1, got 0"):
-        ContinualArguments(output_dir="x", eval_batch_size=0)
-    with pytest.raises(ConfigError, match="hub_timeout must be a number, got 'soon'"):
-        ContinualArguments(output_dir="x", hub_timeout="soon")
+    with pytest.raises(ConfigError, match="evaluation.batch_size must be >= 1, got 0"):
+        ContinualArguments(output_dir="x", evaluation={"batch_size": 0})
+    with pytest.raises(ConfigError, match="hub.timeout must be a number, got 'soon'"):
+        ContinualArguments(output_dir="x", hub={"timeout": "soon"})
     with pytest.raises(ConfigError, match="training.learning_rate must be a number, got 'abc'"):
         ContinualArguments(output_dir="x", training={"learning_rate": "abc"})
     args = ContinualArguments(output_dir="x", training={"learning_rate": "1e-3", "max_steps": 10.0})
@@ -285,10 +285,10 @@ def test_continual_arguments_check_every_value():
 
 def test_yaml_numbers_read_as_strings_become_numbers(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text("stream: digits\ntraining:\n  learning_rate: 1e-3\n  adam_epsilon: 1.0e-6\nhub_timeout: 3e1\n")
+    path.write_text("stream: digits\ntraining:\n  learning_rate: 1e-3\n  adam_epsilon: 1.0e-6\nhub:\n  timeout: 3e1\n")
     config = load_config(path)
     assert config.training["learning_rate"] == 1e-3 and config.training["adam_epsilon"] == 1e-6
-    assert config.hub_timeout == 30.0
+    assert config.hub.timeout == 30.0
 
 
 def test_every_continual_argument_is_a_config_field_and_flows_through():
@@ -296,9 +296,9 @@ def test_every_continual_argument_is_a_config_field_and_flows_through():
     from dataclasses import fields
 
     assert continual_fields() == [f.name for f in fields(ContinualArguments) if f.init]
-    config = load_config(None, ["hub_retry_backoff=2.5", "save_checkpoints=false", "warmup=first_task"])
+    config = load_config(None, ["hub.backoff=2.5", "save_checkpoints=false", "warmup=first_task"])
     args = config.continual_arguments()
-    assert (args.hub_retry_backoff, args.save_checkpoints, args.warmup) == (2.5, False, "first_task")
+    assert (args.hub.backoff, args.save_checkpoints, args.warmup) == (2.5, False, "first_task")
 
 
 def test_every_refused_training_option_is_a_training_arguments_field():
@@ -390,7 +390,7 @@ def test_a_prompt_longer_than_the_model_context_is_named_before_it_is_built(tmp_
     """n_ctx within the bound but beyond this model's 77 positions: one line naming the option and the most it can
     be, at the first task's start (before the prompt is allocated), not a failure inside the text tower."""
     code = main(["train", "--config", "digits", f"output_dir={tmp_path / 'run'}", "progress=false",
-                 "evaluate_initial=false", "methods=[prompt]", "method_args.prompt.n_ctx=80",
+                 "evaluation.initial=false", "methods=[prompt]", "method_args.prompt.n_ctx=80",
                  "model.config.hidden_size=32", "model.config.num_layers=1", "stream_args.max_train_per_task=8",
                  "stream_args.max_eval_per_task=4"])
     err = capsys.readouterr().err.strip().splitlines()[-1]

@@ -173,7 +173,7 @@ def fit(output_dir, methods, method_args=None, *, steps=2, batch=16, training=No
         output_dir=str(output_dir), samples_per_task=steps * batch, progress=False, seed=SEED,
         training={"per_device_train_batch_size": batch, "learning_rate": 1e-3, "logging_steps": 100,
                   **(training or {})},
-        **{"evaluate_initial": False, "save_checkpoints": False, **arguments},
+        **{"evaluation": {"initial": False}, "save_checkpoints": False, **arguments},
     )
     learner = ContinualLearner(
         model, stream, build_methods(methods, method_args), default_image_processor(model), load_tokenizer(), args,

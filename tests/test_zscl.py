@@ -105,7 +105,7 @@ def test_every_task_distils_the_initial_model_and_the_state_restores_it(tmp_path
     ZSCL.on_task_start = record
     try:
         args = ContinualArguments(output_dir=str(tmp_path), save_checkpoints=False, progress=False,
-                                  evaluate_initial=False,
+                                  evaluation={"initial": False},
                                   training={"num_train_epochs": 1, "per_device_train_batch_size": 8})
         ContinualLearner(model, stream, methods, default_image_processor(model), load_tokenizer(), args).fit()
     finally:
@@ -137,7 +137,7 @@ def test_a_task_shorter_than_the_ensemble_interval_is_refused_not_discarded(tmp_
     stream = build_stream("digits", max_train_per_task=32)
     stream.tasks = stream.tasks[:1]
     model = tiny_model()
-    args = ContinualArguments(output_dir=str(tmp_path), save_checkpoints=False, progress=False, evaluate_initial=False,
+    args = ContinualArguments(output_dir=str(tmp_path), save_checkpoints=False, progress=False, evaluation={"initial": False},
                               training={"num_train_epochs": 1, "per_device_train_batch_size": 8})
     learner = ContinualLearner(model, stream, build_methods(["zscl"], {"zscl": {**SMALL, "ensemble_every": 10}}),
                                default_image_processor(model), load_tokenizer(), args)

@@ -77,7 +77,7 @@ def run(name: str, output_dir: Path) -> dict:
         output_dir=str(output_dir / name),
         training={"per_device_train_batch_size": BATCH, "logging_steps": 100, **SGD},
         samples_per_task=STEPS * BATCH * world_size(),
-        progress=False, evaluate_initial=False, save_checkpoints=False, seed=1,
+        progress=False, evaluation={"initial": False}, save_checkpoints=False, seed=1,
     )
     methods = build_methods([name], {name: OPTIONS[name]})
     counter = ProjectedSteps(methods[0])

@@ -58,8 +58,7 @@ def build_learner(output_dir: str, methods: list[str], resume: bool, hub_model_i
                   callbacks: list) -> ContinualLearner:
     args = ContinualArguments(
         output_dir=output_dir, training=dict(TRAINING), progress=False, seed=3,
-        resume_from_checkpoint=True if resume else None, hub_model_id=hub_model_id,
-        hub_retry_backoff=0.05,
+        resume_from_checkpoint=True if resume else None, hub={"model_id": hub_model_id, "backoff": 0.05},
     )
     return ContinualLearner(
         tiny_clip(seed=3), small_stream(), build_methods(methods, method_args(methods)),
