@@ -182,7 +182,7 @@ class PairArguments:
 
 
 #: The sections of `ContinualArguments`, by field name.
-SECTIONS: dict[str, type] = {cls.SECTION: cls for cls in (  # type: ignore[attr-defined]
+SECTIONS: dict[str, type] = {cls.SECTION: cls for cls in (
     EvaluationArguments, HubArguments, CardArguments, DiagnosticsArguments, PairArguments)}
 
 #: Keys of earlier versions, now in a section: refused with the new key (`check_renamed_keys`).
