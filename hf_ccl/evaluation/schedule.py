@@ -100,8 +100,8 @@ class StreamEvaluator:
         subsample_before = (before.get("eval_max_examples"), before.get("seed"))
         if has_rows and subsample_before != (protocol["eval_max_examples"], protocol["seed"]):
             raise ValueError(
-                f"the results so far were evaluated with eval_max_examples={subsample_before[0]} (seed "
-                f"{subsample_before[1]}), this run evaluates with eval_max_examples={protocol['eval_max_examples']} "
+                f"the results so far were evaluated with evaluation.max_examples={subsample_before[0]} (seed "
+                f"{subsample_before[1]}), this run evaluates with evaluation.max_examples={protocol['eval_max_examples']} "
                 f"(seed {protocol['seed']}): their rows would not be comparable. Resume with the same setting."
             )
         matrix.evaluation = protocol

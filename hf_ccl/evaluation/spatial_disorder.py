@@ -354,7 +354,7 @@ RESULTS_FILE = "spatial_disorder.json"
 
 
 class SpatialDisorderCallback(TaskCallback):
-    """Mod-X's spatial-disorder diagnostics during a run (`diagnostics.spatial_disorder_task`: `hf_ccl.arguments.DiagnosticsArguments`): the initial model's
+    """Mod-X's spatial-disorder diagnostics during a run (`diagnostics.spatial_disorder_task`): the initial model's
     embeddings of that task's eval split are the reference, and after every task the current model is compared
     with it. Written to `spatial_disorder.json` (and `.png`) in every checkpoint and the run folder; the reference
     is kept in each checkpoint, so a resumed run goes on comparing with the same one."""
