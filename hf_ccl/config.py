@@ -1,4 +1,6 @@
-"""Run configuration: one YAML file (read with a safe loader, aliases bounded: `hf_ccl.safe_yaml`) plus command-line overrides `key.sub=value`."""
+"""Run configuration: one YAML file (read with a safe loader, aliases bounded: `hf_ccl.safe_yaml`) plus command-line overrides `key.sub=value`.
+
+Import-light (no torch or transformers at module level): `hf-ccl train --help` lists every key from here."""
 
 from __future__ import annotations
 
@@ -15,9 +17,7 @@ from typing import Any
 import yaml
 
 from .arguments import RENAMED_KEYS, SECTIONS, ContinualArguments, check_renamed_keys
-from .families import FAMILIES, family_of
 from .files import write_text_atomic
-from .modeling import tiny_clip_config
 from .safe_yaml import YAMLSizeError, load_yaml
 from .validation import (
     ConfigError,
@@ -35,6 +35,8 @@ from .validation import (
 #: training section's defaults are the loop's, `hf_ccl.training_options.default_training`, which a given section
 #: extends, from YAML, the command line and Python alike.)
 CONFIG_DEFAULTS: dict[str, Callable[[], Any]] = {"output_dir": lambda: "outputs/run"}
+#: The model families, for the help of `model` (`hf_ccl.families.FAMILIES` imports torch; a test keeps them equal).
+FAMILY_NAMES = ("clip", "siglip", "siglip2", "altclip", "chinese_clip", "metaclip_2")
 
 
 def with_loop_fields(cls: type) -> type:
@@ -87,7 +89,7 @@ class RunConfig:
     model: dict[str, Any] = field(
         default_factory=lambda: {"pretrained": None, "config": {}},
         metadata={"help": "pretrained: checkpoint path or Hub id; else config: tiny_config() options of a random model; "
-                          f"family: one of {', '.join(FAMILIES)} (default: the checkpoint's, or clip)."},
+                          f"family: one of {', '.join(FAMILY_NAMES)} (default: the checkpoint's, or clip)."},
     )
     tokenizer: str | None = field(
         default=None, metadata={"help": "Tokenizer name or path; default the checkpoint's, else the real CLIP BPE."}
@@ -112,12 +114,16 @@ class RunConfig:
         check_value("model.pretrained", self.model["pretrained"], str | None)
         family = check_value("model.family", self.model["family"], str | None)
         if family is not None:
+            from .families import family_of
+
             try:
                 family_of(family)
             except ValueError as error:
                 raise ConfigError(f"model.family: {error}", "model.family") from None
         model_config = check_value("model.config", self.model["config"], dict[str, Any] | None) or {}
-        known_keys(model_config, TINY_CONFIG_KEYS, "model.config option(s)")
+        from .modeling import tiny_clip_config
+
+        known_keys(model_config, list(inspect.signature(tiny_clip_config).parameters), "model.config option(s)")
         self.model["config"] = check_mapping(model_config, type_hints(tiny_clip_config), "model.config.")
         check_model_config(self.model["config"], family or "clip")
         if self.model["pretrained"] is not None and self.model["config"]:
@@ -145,8 +151,6 @@ class RunConfig:
 
 
 MODEL_KEYS = ("pretrained", "config", "family")
-#: The options of a random model (`model.config`, for `families.tiny_config`): `tiny_clip_config`'s, for any family.
-TINY_CONFIG_KEYS = list(inspect.signature(tiny_clip_config).parameters)
 
 
 def continual_fields() -> list[str]:

@@ -19,10 +19,21 @@ from hf_ccl.validation import ConfigError
 
 
 def test_the_arguments_module_imports_no_torch_transformers_datasets_or_accelerate():
-    code = ("import sys, hf_ccl.arguments; "
+    code = ("import sys, hf_ccl.arguments; hf_ccl.arguments.HubArguments(); "
             "print(sorted(m for m in ('torch', 'transformers', 'datasets', 'accelerate') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_config_keys_help_imports_no_torch_and_names_every_family():
+    code = ("import sys, hf_ccl.config as c; c.config_keys_help(); "
+            "print(sorted(m for m in ('torch', 'transformers', 'datasets', 'accelerate') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    from hf_ccl.config import FAMILY_NAMES
+    from hf_ccl.families import FAMILIES
+
+    assert FAMILY_NAMES == tuple(FAMILIES)
 
 
 def test_the_old_import_paths_still_work():
