@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -94,6 +94,11 @@ class RunConfig:
     tokenizer: str | None = field(
         default=None, metadata={"help": "Tokenizer name or path; default the checkpoint's, else the real CLIP BPE."}
     )
+    if TYPE_CHECKING:  # loop fields read through a RunConfig (`with_loop_fields` adds them all), for the checker
+        output_dir: str = field(kw_only=True)
+        seed: int = field(kw_only=True)
+        resume_from_checkpoint: bool | str | None = field(kw_only=True)
+        overwrite_output_dir: bool = field(kw_only=True)
 
     def __post_init__(self) -> None:
         self.validate()

@@ -94,7 +94,10 @@ def load_processors(config: RunConfig, model: ContinualDualEncoder) -> tuple[Any
     else:
         tokenizer = load_tokenizer()
         if pretrained:
-            error = pretrained_tokenizer_error(pretrained, model.get_input_embeddings().num_embeddings, len(tokenizer))
+            embeddings = model.get_input_embeddings()
+            assert isinstance(embeddings, torch.nn.Embedding)  # a dual encoder's token embedding
+            vocabulary = embeddings.num_embeddings
+            error = pretrained_tokenizer_error(pretrained, vocabulary, len(tokenizer))
             if error:
                 raise ValueError(error)
             logger.warning("model.pretrained %s has no tokenizer: using the bundled CLIP tokenizer, whose %d tokens "
@@ -187,11 +190,10 @@ def check_resumed_model(config: RunConfig, skeleton: torch.nn.Module) -> None:
     if config.resume_from_checkpoint in (None, False):
         return
     request = config.resume_from_checkpoint
-    folder = Path(request) if isinstance(request, str) and request != "auto" else Path(config.output_dir)
-    if not (folder / CHECKPOINT_STATE).is_file():
-        folder = latest_task_checkpoint(folder, warn=False)
+    given = Path(request) if isinstance(request, str) and request != "auto" else Path(config.output_dir)
+    folder = given if (given / CHECKPOINT_STATE).is_file() else latest_task_checkpoint(given, warn=False)
     if folder is not None and (folder / "config.json").is_file():
-        check_same_architecture(skeleton.config, folder)
+        check_same_architecture(skeleton.config, folder)  # type: ignore[arg-type]  # a PreTrainedModel's config
 
 
 def check_stream(config: RunConfig) -> None:
@@ -320,7 +322,9 @@ def _run_locked(checked: CheckedRun, lock: RunFolderLock, called_at: float) -> R
         save_config(config, Path(config.output_dir) / "run_config.yaml")
     results = learner.fit()
     if learner.compute and is_main_process():
-        print(compute_summary(learner.compute, learner.task_callbacks.get(ComputeCallback).run), flush=True)
+        accounting = learner.task_callbacks.get(ComputeCallback)
+        assert isinstance(accounting, ComputeCallback)  # one of the learner's built-in callbacks
+        print(compute_summary(learner.compute, accounting.run), flush=True)
     report = learner.push_report
     if report is not None and is_main_process():
         if report.failed:  # after training and every local checkpoint: the run did not do all it was asked
