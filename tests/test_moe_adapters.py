@@ -384,7 +384,8 @@ class _Recorder(MoEAdapters):
 def _fit(tmp_path, tokenizer, options=None, tasks=2, training=None, **arguments):
     model = tiny_model("clip")
     methods = [_Recorder({**SMALL, **(options or {})})]
-    args = ContinualArguments(output_dir=str(tmp_path), progress=False, evaluation={"batch_size": 64},
+    evaluation = {"batch_size": 64, **arguments.pop("evaluation", {})}
+    args = ContinualArguments(output_dir=str(tmp_path), progress=False, evaluation=evaluation,
                               training={"max_steps": 4, "per_device_train_batch_size": 16, "learning_rate": 5e-2,
                                         **(training or {})}, **arguments)
     learner = ContinualLearner(model, _stream(tasks), methods, load_image_processor(32), tokenizer, args)
