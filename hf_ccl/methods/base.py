@@ -191,6 +191,22 @@ class ContinualMethod:
     #: model. The model card's "How to use" gives it (`hf_ccl.methods.loading`).
     checkpoint_loader: ClassVar[CheckpointLoader | None] = None
 
+    # How the every-method test matrix (`tests/method_matrix.py`) runs the method. Read from the class's own body,
+    # not inherited (a subclass is another method); the defaults fit a new method: trained on CLIP with its default
+    # options on the `digits` stream, in every default check, as the representative of a step of its own.
+    #: Options that let it train in seconds on the tests' 64-example tasks of a tiny model (a smaller buffer).
+    test_options: ClassVar[dict[str, Any]] = {}
+    #: The bundled stream the matrix trains it on (methods that attach learner heads run on a pair stream).
+    test_stream: ClassVar[str] = "digits"
+    #: The method whose training step this one's is (same losses, hooks and per-step state; it differs in data,
+    #: aliases, formulas or task-end work): the expensive checks run that one by default and this one under `-m slow`.
+    same_step_as: ClassVar[str | None] = None
+    #: The method whose class this one is under another formula or alias (TiC-CLIP's names for the same loop): every
+    #: matrix run of this one is under `-m slow`.
+    variant_of: ClassVar[str | None] = None
+    #: The families besides CLIP whose default matrix runs this method (the others run it under `-m slow`).
+    test_families: ClassVar[tuple[str, ...]] = ()
+
     def __init__(self, config: MethodConfig | dict[str, Any] | None = None):
         if config is None or isinstance(config, dict):
             config = self.config_class.from_dict(config, self.name)

@@ -257,6 +257,7 @@ class CLLCLIP(ContinualMethod):
     """CLL-CLIP: token embeddings only, distilled from the frozen initial CLIP (module docstring, Eqs. 2–4)."""
 
     name = "cllclip"
+    test_families = ("siglip2",)
     config_class = CLLCLIPConfig
     roles = {"previous_model": "trains the token embeddings of the CLIP it starts from, distilled from it"}
     runs_before = {

@@ -142,6 +142,8 @@ class CTP(ContinualMethod):
     preservation against the previous-task model. Loss terms: `cmc`, `topology_cross`, `topology_same`."""
 
     name = "ctp"
+    test_options = {"queue_size": 32}  # a queue that fills on 64-example tasks
+    test_families = ("siglip",)
     config_class = CTPConfig
     roles = {"previous_model": "builds its momentum model from the previous task's model and preserves its topology"}
     config: CTPConfig

@@ -244,6 +244,7 @@ class DNS(ContinualMethod):
     learner heads. See the module docstring."""
 
     name = "dns"
+    test_families = ("chinese_clip",)
     config_class = DNSConfig
     trains_pair_tasks = True  # on pair tasks: the learner heads, partnered by the task's pair
     roles = {"previous_model": "projects each update out of the feature subspaces of the previous tasks"}

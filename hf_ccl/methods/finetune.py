@@ -11,4 +11,5 @@ class Finetune(ContinualMethod):
     """Plain sequential fine-tuning: every hook is the base class's no-op."""
 
     name = "finetune"
+    test_families = ("siglip", "siglip2", "altclip", "chinese_clip", "metaclip_2")
     trains_pair_tasks = True  # on pair tasks: the learner heads' pair loss alone (CMCL's "vanilla")

@@ -549,6 +549,8 @@ class GEM(EpisodicMemoryMethod):
     alone)."""
 
     name = "gem"
+    test_options = {"memory_per_task": 16}  # a memory that fills on 64-example tasks
+    test_families = ("siglip2",)
     config_class = GEMConfig
     config: GEMConfig
 
@@ -618,6 +620,8 @@ class AGEM(EpisodicMemoryMethod):
     (cos(g, g_ref); 0 when g_ref = 0) and `nonfinite_grad`."""
 
     name = "agem"
+    test_options = {"memory_per_task": 16, "reference_batch_size": 8}  # a memory that fills on 64-example tasks
+    test_families = ("siglip",)
     config_class = AGEMConfig
     config: AGEMConfig
 

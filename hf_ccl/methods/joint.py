@@ -27,6 +27,7 @@ class Joint(ContinualMethod):
     """Train each task on every task's data seen so far. Other methods' transforms apply after this one."""
 
     name = "joint"
+    same_step_as = "finetune"
     config_class = JointConfig
     trains_on_past_tasks = True
     roles = {"training_data": "trains each task on the data of every task so far"}

@@ -66,6 +66,7 @@ class LearnerHeadsMethod(ContinualMethod):
     """Per-modality learner heads on a frozen CLIP for pair streams (see the module docstring)."""
 
     name = "learner_heads"
+    test_families = ("chinese_clip",)
     config_class = LearnerHeadsConfig
     trains_pair_tasks = True
     attaches = ModelPart.LEARNER_HEADS

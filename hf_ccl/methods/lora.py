@@ -232,6 +232,7 @@ class LoRA(ContinualMethod):
     """A fresh LoRA adapter per task, merged into the base weights after the task (see the module docstring)."""
 
     name = "lora"
+    test_families = ("altclip",)
     config_class = LoRAMethodConfig
     roles = {
         "previous_model": "adapts the previous task's model",

@@ -91,6 +91,7 @@ class LwF(TeacherMethod):
     """
 
     name = "lwf"
+    same_step_as = "modx"
     config_class = LwFConfig
 
     def loss_terms(

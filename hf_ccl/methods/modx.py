@@ -151,6 +151,7 @@ class ModX(TeacherMethod):
     """
 
     name = "modx"
+    test_families = ("siglip",)
     config_class = ModXConfig
 
     def __init__(self, config: ModXConfig | dict[str, Any] | None = None):

@@ -823,6 +823,9 @@ class MoEAdapters(ContinualMethod):
     """Mixture-of-experts adapters with task routers, activate-freeze and DDAS (see the module docstring)."""
 
     name = NAME
+    test_options = {"num_experts": 4, "bottleneck": 4, "router_noise": False, "dropout": 0.0, "ddas_steps": 20,
+                    "ddas_code_dim": 8}  # a few small experts, a short DDAS autoencoder
+    test_families = ("siglip2",)
     config_class = MoEAdaptersConfig
     roles = {
         "previous_model": "adds its experts and a router per task to the previous task's model",

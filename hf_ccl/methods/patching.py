@@ -205,6 +205,8 @@ class Patching(ContinualMethod):
     """Sequential patching: train from the last patched model, deploy its interpolation with the fine-tuned one."""
 
     name = "patching"
+    test_options = {"validation_size": 4}  # a whole batch of 64 still trains on 68-example tasks
+    same_step_as = "finetune"
     config_class = PatchingConfig
     roles = {"previous_model": "interpolates each task's fine-tuned model with the previous task's"}
 

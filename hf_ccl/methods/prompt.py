@@ -177,6 +177,7 @@ class PromptLearning(ContinualMethod):
     """CoOp context vectors on the text tower, the rest of CLIP frozen (see the module docstring)."""
 
     name = "prompt"
+    same_step_as = "lora"
     config_class = PromptConfig
     roles = {
         "previous_model": "learns a prompt for the previous task's model",

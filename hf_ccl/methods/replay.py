@@ -149,6 +149,8 @@ class ExperienceReplay(ContinualMethod):
     """ER (Chaudhry et al. 2019): train each task on its data concatenated with the reservoir buffer."""
 
     name = "er"
+    test_options = {"buffer_size": 16}  # a buffer that replays on 64-example tasks
+    same_step_as = "derpp"
     config_class = ERConfig
     trains_on_past_tasks = True
     roles = {"training_data": "mixes a buffer of past examples into each task's data"}
@@ -251,6 +253,9 @@ class DarkExperienceReplay(ExperienceReplay):
     (buffer mixed into the data), their pair scores on pair tasks (replayed by task each step). Module docstring."""
 
     name = "der"
+    test_options = {"buffer_size": 16}  # a buffer that replays on 64-example tasks
+    same_step_as = "derpp"
+    variant_of = "derpp"
     config_class = DERConfig
     trains_pair_tasks = True  # on pair tasks: buffered pairs replayed by task through their own heads, never mixed in
     runs_after = {"learner_heads": "records and replays pairs through the learner heads that learner_heads "
@@ -490,6 +495,8 @@ class DarkExperienceReplayPlusPlus(DarkExperienceReplay):
     buffer rows, or the pair loss of each task group (module docstring)."""
 
     name = "derpp"
+    test_options = {"buffer_size": 16}  # a buffer that replays on 64-example tasks
+    test_families = ("siglip",)
     config_class = DERPPConfig
 
     def term_weights(self, pair: bool) -> dict[str, float]:

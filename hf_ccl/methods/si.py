@@ -136,6 +136,7 @@ class SI(QuadraticPenaltyMethod):
     """Synaptic Intelligence: importance from each parameter's contribution to the loss drop along the path."""
 
     name = "si"
+    test_families = ("metaclip_2",)
     trains_pair_tasks = True  # on pair tasks: the trainable heads, with the pair loss (CMCL's baselines)
     config_class = SIConfig
 

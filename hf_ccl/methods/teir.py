@@ -159,6 +159,7 @@ class TEIR(ContinualMethod):
     """TEIR's per-row gradient and weight-decay scaling of the token embedding (module docstring, Eqs. 5–6)."""
 
     name = "teir"
+    test_families = ("altclip",)
     config_class = TEIRConfig
     roles = {"previous_model": "protects the token-embedding rows that earlier tasks trained"}
     runs_after = {

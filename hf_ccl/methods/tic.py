@@ -40,6 +40,8 @@ class Sequential(Finetune):
     computation as `finetune`, registered under the paper's name so that TiC-CLIP configs read like Tab. 1."""
 
     name = "sequential"
+    same_step_as = "finetune"
+    variant_of = "finetune"
     roles = {"training_data": "trains each step on its own data only (TiC-CLIP's Sequential)"}
     conflicts = {"training_data": "trains each step on its own data only (TiC-CLIP's Sequential): leave it out"}
 
@@ -122,6 +124,8 @@ class Restart(FromScratch):
     """Restart (TiC-CLIP §3 IV): random init, C iterations on the union of D_1..D_t, warmup + cosine."""
 
     name = "restart"
+    same_step_as = "finetune"
+    variant_of = "oracle"
 
 
 @register_method
@@ -130,6 +134,7 @@ class Oracle(FromScratch):
     recipe (warmup W_1, then cosine over all t x C iterations). Needs a compute budget (`samples_per_task`)."""
 
     name = "oracle"
+    same_step_as = "finetune"
     needs_compute_budget = True
 
     def training_overrides(self, context: TaskContext, training: dict[str, Any]) -> dict[str, Any]:

@@ -329,6 +329,7 @@ class CumulativeAll(CumulativeReplay):
     rule 2)."""
 
     name = "cumulative_all"
+    same_step_as = "finetune"
     rule = "all"
 
 
@@ -337,6 +338,8 @@ class CumulativeExp(CumulativeReplay):
     """Cumulative-Exp: n_j = B/2^(t-j), n_1 = B/2^(t-2) (TiC-CLIP §3 II, App. D.3; specs/ticclip.md §2.2 rule 3)."""
 
     name = "cumulative_exp"
+    same_step_as = "finetune"
+    variant_of = "cumulative_all"
     rule = "exp"
 
 
@@ -345,4 +348,6 @@ class CumulativeEqual(CumulativeReplay):
     """Cumulative-Equal: n_j = B/(t-1) for every old step (TiC-CLIP §3 II; specs/ticclip.md §2.2 rule 4)."""
 
     name = "cumulative_equal"
+    same_step_as = "finetune"
+    variant_of = "cumulative_all"
     rule = "equal"

@@ -154,6 +154,7 @@ class GrowVocab(ContinualMethod):
     """Per-language BPE merged into the tokenizer, token embedding grown with TEIR's init. See the module docstring."""
 
     name = "grow_vocab"
+    same_step_as = "cllclip"
     config_class = GrowVocabConfig
     roles = {"vocabulary": "grows the tokenizer and the token embedding at task start"}
     config: GrowVocabConfig

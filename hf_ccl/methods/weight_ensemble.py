@@ -284,6 +284,8 @@ class WeightEnsembleMethod(ContinualMethod):
     """ZSCL's weight ensemble: deploy the running mean of the weights along each task's training (module docstring)."""
 
     name = "weight_ensemble"
+    test_options = {"every": 1}  # an ensemble step within a few-step task
+    same_step_as = "zscl"
     config_class = WeightEnsembleConfig
     roles = {
         "previous_model": "averages the weights along each task's training with the model the task starts from",

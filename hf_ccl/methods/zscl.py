@@ -115,6 +115,8 @@ class ZSCL(ContinualMethod):
     """ZSCL: reference-set distillation from the initial model plus a weight ensemble (module docstring)."""
 
     name = "zscl"
+    test_options = {"reference_examples": 24, "reference_batch_size": 8, "ensemble_every": 1}  # a small reference set, an ensemble step within a few-step task
+    test_families = ("metaclip_2",)
     config_class = ZSCLConfig
     roles = {
         "previous_model": "fine-tunes the model the previous task left, distilling the initial model",
