@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, cast, get_args, get_origin
 
 import torch
 from datasets import Dataset
@@ -152,11 +152,19 @@ class TaskContext:
                              "context.collator, context.train_dataset, context.optimizer, context.training_args, ...")
 
 
-class ContinualMethod:
-    """Base class of every method: all hooks are no-ops, so a method overrides only what it changes."""
+#: A method's config class: `class ZSCL(ContinualMethod[ZSCLConfig])` types `self.config` as a `ZSCLConfig`.
+ConfigT = TypeVar("ConfigT", bound=MethodConfig)
+
+
+class ContinualMethod(Generic[ConfigT]):
+    """Base class of every method: all hooks are no-ops, so a method overrides only what it changes.
+
+    Generic in its config: a method with options subclasses `ContinualMethod[ItsConfig]` and sets
+    `config_class = ItsConfig` (checked to agree when the class is defined); `self.config` is then typed."""
 
     name: ClassVar[str] = ""
     config_class: ClassVar[type[MethodConfig]] = MethodConfig
+    config: ConfigT
     #: True when the method's loss terms are the whole loss: `ContinualTrainer` then leaves out the model's own
     #: contrastive loss (CLL-CLIP trains with its cross-lingual and cross-modal terms only).
     replaces_contrastive_loss: ClassVar[bool] = False
@@ -212,7 +220,22 @@ class ContinualMethod:
             config = self.config_class.from_dict(config, self.name)
         if not isinstance(config, self.config_class):
             raise TypeError(f"Method {self.name!r} expects a {self.config_class.__name__}, got {type(config).__name__}")
-        self.config = config
+        self.config = cast(ConfigT, config)  # an instance of `config_class`, which __init_subclass__ ties to ConfigT
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """`config_class` from the config the class is generic in (`ContinualMethod[ItsConfig]`) when the body sets
+        none; a `config_class` that is not that config is refused."""
+        super().__init_subclass__(**kwargs)
+        for base in vars(cls).get("__orig_bases__", ()):
+            declared, origin = get_args(base), get_origin(base)
+            if not (declared and isinstance(origin, type) and issubclass(origin, ContinualMethod)
+                    and isinstance(declared[0], type)):
+                continue
+            if "config_class" not in vars(cls):
+                cls.config_class = declared[0]
+            elif not issubclass(cls.config_class, declared[0]):
+                raise TypeError(f"{cls.__name__} is {origin.__name__}[{declared[0].__name__}] but its config_class "
+                                f"is {cls.config_class.__name__}")
 
     def check_stream(self, stream: TaskStream) -> None:
         """Refuse a stream the method cannot train (raise ValueError), before anything is built or trained."""

@@ -253,7 +253,7 @@ def plain_clip_copy(
 
 # ----- the method -------------------------------------------------------------------------------------------------
 @register_method
-class CLLCLIP(ContinualMethod):
+class CLLCLIP(ContinualMethod[CLLCLIPConfig]):
     """CLL-CLIP: token embeddings only, distilled from the frozen initial CLIP (module docstring, Eqs. 2–4)."""
 
     name = "cllclip"

@@ -137,7 +137,7 @@ class CTPConfig(MethodConfig):
 
 
 @register_method
-class CTP(ContinualMethod):
+class CTP(ContinualMethod[CTPConfig]):
     """CTP for CLIP: momentum contrast against a compatible momentum model and its queues, and topology
     preservation against the previous-task model. Loss terms: `cmc`, `topology_cross`, `topology_same`."""
 

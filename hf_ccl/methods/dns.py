@@ -239,7 +239,7 @@ def run_batch(model: nn.Module, batch: dict[str, Any]) -> None:
 
 
 @register_method
-class DNS(ContinualMethod):
+class DNS(ContinualMethod[DNSConfig]):
     """Dual-sided null-space gradient projection (Thm. 4, Eq. 8) on chosen linear layers of a CLIP or on the
     learner heads. See the module docstring."""
 

@@ -86,7 +86,7 @@ class EWCConfig(QuadraticPenaltyConfig):
 
 
 @register_method
-class EWC(QuadraticPenaltyMethod):
+class EWC(QuadraticPenaltyMethod[EWCConfig]):
     """Online EWC: a Fisher-weighted pull towards the parameters at the end of the previous task."""
 
     name = "ewc"

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from .base import ContinualMethod
+from .base import ContinualMethod, MethodConfig
 from .registry import register_method
 
 
 @register_method
-class Finetune(ContinualMethod):
+class Finetune(ContinualMethod[MethodConfig]):
     """Plain sequential fine-tuning: every hook is the base class's no-op."""
 
     name = "finetune"

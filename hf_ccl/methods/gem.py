@@ -71,7 +71,7 @@ import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -281,7 +281,11 @@ def head_parameter_ids(model: nn.Module, modalities: Sequence[str]) -> set[int]:
 # ----------------------------------------------------------------------------------------------------------------
 # The shared base
 # ----------------------------------------------------------------------------------------------------------------
-class EpisodicMemoryMethod(ContinualMethod):
+#: The config of a subclass (`EpisodicMemoryMethod[ItsConfig]`).
+EpisodicMemoryConfigT = TypeVar("EpisodicMemoryConfigT", bound=EpisodicMemoryConfig)
+
+
+class EpisodicMemoryMethod(ContinualMethod[EpisodicMemoryConfigT]):
     """Base of GEM and A-GEM: one memory per finished task (indices, in the method state), the selected parameters,
     and the gradient of the contrastive loss on a memory batch, of a CLIP or of the learner heads (module
     docstring)."""
@@ -539,7 +543,7 @@ class EpisodicMemoryMethod(ContinualMethod):
 # GEM
 # ----------------------------------------------------------------------------------------------------------------
 @register_method
-class GEM(EpisodicMemoryMethod):
+class GEM(EpisodicMemoryMethod[GEMConfig]):
     """GEM: project the gradient so that no past task's memory loss increases (Eqs. 10–13; module docstring).
 
     Metrics of the last step: `constraints` (past tasks whose memory loss depends on the constrained parameters:
@@ -613,7 +617,7 @@ class GEM(EpisodicMemoryMethod):
 # A-GEM
 # ----------------------------------------------------------------------------------------------------------------
 @register_method
-class AGEM(EpisodicMemoryMethod):
+class AGEM(EpisodicMemoryMethod[AGEMConfig]):
     """A-GEM: one constraint, on the gradient of a random memory batch (Eq. 11; module docstring).
 
     Metrics of the last step: `projected` (1 when gᵀg_ref < 0), `grad_change` (‖g̃ − g‖ / ‖g‖), `ref_cosine`

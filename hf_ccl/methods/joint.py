@@ -23,7 +23,7 @@ class JointConfig(MethodConfig):
 
 
 @register_method
-class Joint(ContinualMethod):
+class Joint(ContinualMethod[JointConfig]):
     """Train each task on every task's data seen so far. Other methods' transforms apply after this one."""
 
     name = "joint"

@@ -62,7 +62,7 @@ class LearnerHeadsConfig(MethodConfig):
 
 
 @register_method
-class LearnerHeadsMethod(ContinualMethod):
+class LearnerHeadsMethod(ContinualMethod[LearnerHeadsConfig]):
     """Per-modality learner heads on a frozen CLIP for pair streams (see the module docstring)."""
 
     name = "learner_heads"

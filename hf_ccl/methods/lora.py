@@ -228,7 +228,7 @@ def load_adapter_folder(folder: str | Path) -> tuple[LoraConfig, dict[str, torch
 # The method
 # ----------------------------------------------------------------------------------------------------------------
 @register_method
-class LoRA(ContinualMethod):
+class LoRA(ContinualMethod[LoRAMethodConfig]):
     """A fresh LoRA adapter per task, merged into the base weights after the task (see the module docstring)."""
 
     name = "lora"

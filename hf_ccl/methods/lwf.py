@@ -84,7 +84,7 @@ def lwf_kl(
 
 
 @register_method
-class LwF(TeacherMethod):
+class LwF(TeacherMethod[LwFConfig]):
     """Learning without Forgetting on the in-batch similarity matrix (see the module docstring).
 
     Loss term `kl` = alpha * L_LwF on tasks t > 0; no teacher and no term on task 0.

@@ -73,7 +73,7 @@ class MASConfig(QuadraticPenaltyConfig):
 
 
 @register_method
-class MAS(QuadraticPenaltyMethod):
+class MAS(QuadraticPenaltyMethod[MASConfig]):
     """Memory Aware Synapses: importance = sensitivity of the embeddings' squared norm to each parameter."""
 
     name = "mas"

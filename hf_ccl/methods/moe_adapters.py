@@ -819,7 +819,7 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
 
 
 @register_method
-class MoEAdapters(ContinualMethod):
+class MoEAdapters(ContinualMethod[MoEAdaptersConfig]):
     """Mixture-of-experts adapters with task routers, activate-freeze and DDAS (see the module docstring)."""
 
     name = NAME

@@ -201,7 +201,7 @@ class PatchingConfig(MethodConfig):
 
 
 @register_method
-class Patching(ContinualMethod):
+class Patching(ContinualMethod[PatchingConfig]):
     """Sequential patching: train from the last patched model, deploy its interpolation with the fine-tuned one."""
 
     name = "patching"

@@ -173,7 +173,7 @@ class PromptConfig(MethodConfig):
 
 
 @register_method
-class PromptLearning(ContinualMethod):
+class PromptLearning(ContinualMethod[PromptConfig]):
     """CoOp context vectors on the text tower, the rest of CLIP frozen (see the module docstring)."""
 
     name = "prompt"

@@ -30,7 +30,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -300,7 +300,11 @@ class QuadraticPenalty:
         self._aligned_cache = None
 
 
-class QuadraticPenaltyMethod(ContinualMethod):
+#: The config of a subclass (`QuadraticPenaltyMethod[ItsConfig]`).
+QuadraticPenaltyConfigT = TypeVar("QuadraticPenaltyConfigT", bound=QuadraticPenaltyConfig)
+
+
+class QuadraticPenaltyMethod(ContinualMethod[QuadraticPenaltyConfigT]):
     """Base of EWC, SI and MAS: the penalty as a loss term, the parameter selection, the saved state.
 
     Subclasses define `strength` (the coefficient s in front of Σ Ω (θ − θ*)²) and update the importance at task

@@ -55,7 +55,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -144,8 +144,13 @@ class DERPPConfig(DERConfig):
 # ----------------------------------------------------------------------------------------------------------------
 # ER
 # ----------------------------------------------------------------------------------------------------------------
+#: The config of a subclass of ER (`ExperienceReplay[ItsConfig]`) and of DER.
+ERConfigT = TypeVar("ERConfigT", bound=ERConfig)
+DERConfigT = TypeVar("DERConfigT", bound=DERConfig)
+
+
 @register_method
-class ExperienceReplay(ContinualMethod):
+class ExperienceReplay(ContinualMethod[ERConfigT]):
     """ER (Chaudhry et al. 2019): train each task on its data concatenated with the reservoir buffer."""
 
     name = "er"
@@ -248,7 +253,7 @@ class PairMemory:
 
 
 @register_method
-class DarkExperienceReplay(ExperienceReplay):
+class DarkExperienceReplay(ExperienceReplay[DERConfigT]):
     """DER: `alpha` x MSE between buffered examples' current and stored outputs: their embeddings on CLIP tasks
     (buffer mixed into the data), their pair scores on pair tasks (replayed by task each step). Module docstring."""
 
@@ -490,7 +495,7 @@ class DarkExperienceReplay(ExperienceReplay):
 
 
 @register_method
-class DarkExperienceReplayPlusPlus(DarkExperienceReplay):
+class DarkExperienceReplayPlusPlus(DarkExperienceReplay[DERPPConfig]):
     """DER++: DER plus `beta` x the contrastive loss on the buffered examples alone: the CLIP loss of the batch's
     buffer rows, or the pair loss of each task group (module docstring)."""
 

@@ -132,7 +132,7 @@ class PathIntegral:
 
 
 @register_method
-class SI(QuadraticPenaltyMethod):
+class SI(QuadraticPenaltyMethod[SIConfig]):
     """Synaptic Intelligence: importance from each parameter's contribution to the loss drop along the path."""
 
     name = "si"

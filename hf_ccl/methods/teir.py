@@ -155,7 +155,7 @@ class TEIRConfig(MethodConfig):
 
 # ----- the method -------------------------------------------------------------------------------------------------
 @register_method
-class TEIR(ContinualMethod):
+class TEIR(ContinualMethod[TEIRConfig]):
     """TEIR's per-row gradient and weight-decay scaling of the token embedding (module docstring, Eqs. 5–6)."""
 
     name = "teir"

@@ -75,7 +75,7 @@ class RestartConfig(MethodConfig):
         check_stream_sizes(self.stream_sizes)
 
 
-class FromScratch(ContinualMethod):
+class FromScratch(ContinualMethod[RestartConfig]):
     """Random init at every step (seeded from the task's seed), trained on the union of all steps so far, with the
     first step's warmup (specs/ticclip.md §2.4 and §7 item 13: Restart and Oracle start from random init)."""
 

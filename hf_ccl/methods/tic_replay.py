@@ -292,7 +292,7 @@ def check_stream_sizes(sizes: list[int] | None) -> None:
         check_range(f"stream_sizes[{index}]", size, 0)
 
 
-class CumulativeReplay(ContinualMethod):
+class CumulativeReplay(ContinualMethod[CumulativeConfig]):
     """Warm start from the last model; train C iterations on D_t and the buffer of old steps, shuffled together
     (TiC-CLIP §3 II). Subclasses fix the allocation `rule` (see the module docstring)."""
 

@@ -150,7 +150,7 @@ def init_new_rows(
 
 
 @register_method
-class GrowVocab(ContinualMethod):
+class GrowVocab(ContinualMethod[GrowVocabConfig]):
     """Per-language BPE merged into the tokenizer, token embedding grown with TEIR's init. See the module docstring."""
 
     name = "grow_vocab"

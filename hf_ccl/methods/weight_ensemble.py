@@ -280,7 +280,7 @@ class WeightEnsembleConfig(MethodConfig):
 
 
 @register_method
-class WeightEnsembleMethod(ContinualMethod):
+class WeightEnsembleMethod(ContinualMethod[WeightEnsembleConfig]):
     """ZSCL's weight ensemble: deploy the running mean of the weights along each task's training (module docstring)."""
 
     name = "weight_ensemble"

@@ -82,7 +82,7 @@ class WiseFTConfig(MethodConfig):
 
 
 @register_method
-class WiseFT(ContinualMethod):
+class WiseFT(ContinualMethod[WiseFTConfig]):
     """WiSE-FT after every task: deploy (1 − α) θ_reference + α θ_fine-tuned (module docstring)."""
 
     name = "wise_ft"

@@ -111,7 +111,7 @@ class ZSCLConfig(MethodConfig):
 
 
 @register_method
-class ZSCL(ContinualMethod):
+class ZSCL(ContinualMethod[ZSCLConfig]):
     """ZSCL: reference-set distillation from the initial model plus a weight ensemble (module docstring)."""
 
     name = "zscl"
