@@ -54,6 +54,13 @@ class ContinualDualEncoderOutput(CLIPOutput):
     global_logits_per_image: torch.Tensor | None = None
     global_positive_mask: torch.Tensor | None = None
 
+    def global_batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(`all_image_embeds`, `all_text_embeds`, `global_logits_per_image`): set by every full forward; a
+        `features_only` output has none (ValueError)."""
+        if self.all_image_embeds is None or self.all_text_embeds is None or self.global_logits_per_image is None:
+            raise ValueError("this output holds no global batch: it is a features_only forward's")
+        return self.all_image_embeds, self.all_text_embeds, self.global_logits_per_image
+
 
 #: The name this output had when CLIP was the only family.
 ContinualCLIPOutput = ContinualDualEncoderOutput
@@ -181,6 +188,12 @@ class ContinualDualEncoder(_PreTrainedModel):
         #: the projections by `save_pretrained`, so checkpoints stay plain; the heads live in method state.
         self.learner_heads: LearnerHeads | None = None
 
+    def require_learner_heads(self) -> LearnerHeads:
+        """`learner_heads`, which the `learner_heads` method sets before a pair task trains (ValueError without)."""
+        if self.learner_heads is None:
+            raise ValueError("this model has no learner heads: add the learner_heads method")
+        return self.learner_heads
+
     # ----- the protocol ------------------------------------------------------------------------------------
     @property
     def embed_dim(self) -> int:
@@ -267,8 +280,8 @@ class ContinualDualEncoder(_PreTrainedModel):
     # ----- embeddings --------------------------------------------------------------------------------------
     def image_inputs(
         self, batch: Mapping[str, Any], rows: torch.Tensor | None = None, device: torch.device | str | None = None
-    ) -> dict[str, torch.Tensor]:
-        """The image tower's inputs of a collated batch (`image_input_names`), optionally only `rows` and on
+    ) -> dict[str, Any]:
+        """The image tower's inputs of a collated batch (`image_input_names`: tensors), optionally only `rows` and on
         `device`: what `embed_images(**...)` and `get_image_features(**...)` take."""
         missing = [name for name in self.image_input_names if name not in batch]
         if missing:

@@ -27,6 +27,7 @@ out a combination or an order (`roles`, `conflicts`, `runs_after`, `runs_before`
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, cast, get_args, get_origin
@@ -67,7 +68,8 @@ class MethodConfig:
             return cls(**checked)
         except ValueError as error:  # the config's own range and choice checks
             message = str(error).removeprefix(f"{name}: ")
-            key = f"method_args.{name}" + (f".{error.key}" if getattr(error, "key", None) else "")
+            option = getattr(error, "key", None)  # a `ConfigError` (a ValueError) names its option
+            key = f"method_args.{name}" + (f".{option}" if option else "")
             raise ConfigError(f"method_args.{name}: {message}", key) from error
 
     def to_dict(self) -> dict[str, Any]:
@@ -154,6 +156,13 @@ class TaskContext:
 
 #: A method's config class: `class ZSCL(ContinualMethod[ZSCLConfig])` types `self.config` as a `ZSCLConfig`.
 ConfigT = TypeVar("ConfigT", bound=MethodConfig)
+
+
+def pair_modalities(task: Task) -> tuple[str, str]:
+    """The modality pair of a pair task (ValueError for a task of another kind, which has none)."""
+    if task.modalities is None:
+        raise ValueError(f"task {task.name!r} has no modality pair: it is not a pair task")
+    return task.modalities
 
 
 class ContinualMethod(Generic[ConfigT]):
@@ -317,7 +326,7 @@ class ContinualMethod(Generic[ConfigT]):
         `context.per_device_batch_size` are then set.
         """
 
-    def metrics(self) -> dict[str, float | torch.Tensor]:
+    def metrics(self) -> Mapping[str, float | torch.Tensor]:
         """Diagnostics to log beside the loss (not added to it), e.g. the fraction of rows Mod-X keeps;
         averaged over the steps of each logging window and logged as `<method>/<name>`.
 

@@ -181,7 +181,7 @@ class CLLTeacher:
 
     def to(self, device: torch.device | str) -> CLLTeacher:
         if self.device != torch.device(device):
-            self.model.to(device)
+            self.model.to(device)  # type: ignore[arg-type]  # transformers' @wraps(nn.Module.to) types PreTrainedModel.to unbound
             self.clear_cache()
         return self
 

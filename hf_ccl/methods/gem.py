@@ -81,7 +81,7 @@ from ..data.streaming import is_streaming
 from ..data.task import ModelPart
 from ..pair_features import FEATURE_COLUMNS, PairFeatureCollator
 from ..validation import ConfigError, check_range
-from .base import ContinualMethod, MethodConfig, TaskContext
+from .base import ContinualMethod, MethodConfig, TaskContext, pair_modalities
 from .gem_projection import agem_project, combine, flat_grad, gem_dual, gem_products, gram, write_flat_grad
 from .registry import register_method
 from .regularization import batch_contrastive_loss
@@ -291,7 +291,6 @@ class EpisodicMemoryMethod(ContinualMethod[EpisodicMemoryConfigT]):
     docstring)."""
 
     config_class = EpisodicMemoryConfig
-    config: EpisodicMemoryConfig
     roles = {
         "previous_model": "constrains each step not to increase the loss on the memories of previous tasks",
         "gradient_constraint": "rewrites each gradient under constraints from an episodic memory",
@@ -393,7 +392,7 @@ class EpisodicMemoryMethod(ContinualMethod[EpisodicMemoryConfigT]):
         return stream[memory.task_index]
 
     def constraining_memories(
-        self, model: nn.Module, context: TaskContext, params: Sequence[nn.Parameter]
+        self, model: ContinualDualEncoder, context: TaskContext, params: Sequence[nn.Parameter]
     ) -> list[TaskMemory]:
         """The past memories whose loss depends on `params`: all of them on a CLIP. On pair tasks a past pair that
         shares no head with `params` (the current pair's heads) has g_k = 0: no constraint, skipped."""
@@ -453,17 +452,17 @@ class EpisodicMemoryMethod(ContinualMethod[EpisodicMemoryConfigT]):
         tokenizer = getattr(context.collator, "tokenizer", None)
         pad_id = getattr(tokenizer, "pad_token_id", None)
         side = getattr(tokenizer, "padding_side", "right")
-        batch = concat_padded(selected, 0 if pad_id is None else int(pad_id), side, trim=pads_to_longest(context))
+        batch: dict[str, Any] = concat_padded(selected, 0 if pad_id is None else int(pad_id), side, trim=pads_to_longest(context))
         if order is not None:
             batch = {k: v.index_select(0, order.to(v.device, non_blocking=True)) for k, v in batch.items()}
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         if pair:
-            batch["modality_a"], batch["modality_b"] = self.memory_task(context, parts[0][0]).modalities
+            batch["modality_a"], batch["modality_b"] = pair_modalities(self.memory_task(context, parts[0][0]))
         return batch
 
     def loss_gradient(
         self,
-        model: nn.Module,
+        model: ContinualDualEncoder,
         context: TaskContext,
         params: Sequence[nn.Parameter],
         batch: Mapping[str, Any],
@@ -477,7 +476,7 @@ class EpisodicMemoryMethod(ContinualMethod[EpisodicMemoryConfigT]):
 
     def weighted_loss_gradient(
         self,
-        model: nn.Module,
+        model: ContinualDualEncoder,
         context: TaskContext,
         params: Sequence[nn.Parameter],
         batches: Sequence[tuple[Mapping[str, Any], float]],
@@ -491,8 +490,8 @@ class EpisodicMemoryMethod(ContinualMethod[EpisodicMemoryConfigT]):
             for batch, weight in batches:
                 for chunk, share in batch_chunks(batch, size or batch_rows(batch), trim=pads_to_longest(context)):
                     loss = batch_contrastive_loss(model, in_dtype(chunk, dtype)).float() * (weight * share)
-                    grads = torch.autograd.grad(loss, list(params), materialize_grads=True)
-                    grads = [g.to_dense() if g.is_sparse else g for g in grads]
+                    grads = [g.to_dense() if g.is_sparse else g
+                             for g in torch.autograd.grad(loss, list(params), materialize_grads=True)]
                     if total:
                         torch._foreach_add_(total, grads)
                     else:
@@ -508,11 +507,11 @@ class EpisodicMemoryMethod(ContinualMethod[EpisodicMemoryConfigT]):
         )
 
     # ----- compute accounting --------------------------------------------------------------------------------------
-    def rows_per_step(self, model: nn.Module, context: TaskContext, params: Sequence[nn.Parameter]) -> float:
+    def rows_per_step(self, model: ContinualDualEncoder, context: TaskContext, params: Sequence[nn.Parameter]) -> float:
         """Memory rows encoded and back-propagated per step while task `context.task_index` trains `params`."""
         raise NotImplementedError
 
-    def _start_step(self, model: nn.Module, context: TaskContext) -> tuple[list[nn.Parameter], torch.Tensor] | None:
+    def _start_step(self, model: ContinualDualEncoder, context: TaskContext) -> tuple[list[nn.Parameter], torch.Tensor] | None:
         """The selected parameters and their flat gradient g, or None when there is no memory yet."""
         if not self.past_memories(context):
             return None
@@ -567,11 +566,11 @@ class GEM(EpisodicMemoryMethod[GEMConfig]):
                               "training.max_grad_norm")
         return super().training_overrides(context, training)
 
-    def rows_per_step(self, model: nn.Module, context: TaskContext, params: Sequence[nn.Parameter]) -> float:
+    def rows_per_step(self, model: ContinualDualEncoder, context: TaskContext, params: Sequence[nn.Parameter]) -> float:
         return float(sum(len(m) for m in self.constraining_memories(model, context, params)))
 
     def memory_gradients(
-        self, model: nn.Module, context: TaskContext, params: Sequence[nn.Parameter]
+        self, model: ContinualDualEncoder, context: TaskContext, params: Sequence[nn.Parameter]
     ) -> tuple[list[TaskMemory], torch.Tensor]:
         """The constraining past memories (`constraining_memories`) and G [k, P]: row k the gradient of task k's
         memory loss (its whole memory, one batch) w.r.t. `params`, in their dtype."""
@@ -629,7 +628,7 @@ class AGEM(EpisodicMemoryMethod[AGEMConfig]):
     config_class = AGEMConfig
     config: AGEMConfig
 
-    def rows_per_step(self, model: nn.Module, context: TaskContext, params: Sequence[nn.Parameter]) -> float:
+    def rows_per_step(self, model: ContinualDualEncoder, context: TaskContext, params: Sequence[nn.Parameter]) -> float:
         """The reference batch, less (on pair tasks) the expected rows of tasks sharing no head, which are skipped."""
         total = sum(len(m) for m in self.past_memories(context))
         used = sum(len(m) for m in self.constraining_memories(model, context, params))
@@ -656,7 +655,7 @@ class AGEM(EpisodicMemoryMethod[AGEMConfig]):
         return parts, order
 
     def reference_gradient(
-        self, model: nn.Module, context: TaskContext, params: Sequence[nn.Parameter]
+        self, model: ContinualDualEncoder, context: TaskContext, params: Sequence[nn.Parameter]
     ) -> torch.Tensor:
         """g_ref: the gradient of the contrastive loss on this step's memory batch w.r.t. `params` (on pair tasks,
         of Σ_k (n_k / n) L_k over the tasks drawn from: `pair_reference_gradient`)."""
@@ -668,7 +667,7 @@ class AGEM(EpisodicMemoryMethod[AGEMConfig]):
 
     def pair_reference_gradient(
         self,
-        model: nn.Module,
+        model: ContinualDualEncoder,
         context: TaskContext,
         params: Sequence[nn.Parameter],
         parts: Sequence[tuple[TaskMemory, torch.Tensor]],

@@ -66,7 +66,7 @@ from ..data.buffer import ReservoirBuffer
 from ..distributed import all_gather_no_grad
 from ..heads import pair_contrastive_loss, pair_logits
 from ..validation import check_range
-from .base import ContinualMethod, MethodConfig, TaskContext
+from .base import ContinualMethod, MethodConfig, TaskContext, pair_modalities
 from .registry import register_method
 
 if TYPE_CHECKING:
@@ -361,14 +361,14 @@ class DarkExperienceReplay(ExperienceReplay[DERConfigT]):
         """Pair task end: the task's modality pair, and for the new `slots` their cached features and learner
         outputs under the heads just trained (Buzzega et al. record at insertion; with a task-end reservoir the
         task-end heads are the heads of insertion time)."""
-        modalities = tuple(context.task.modalities)
+        modalities = pair_modalities(context.task)
         self.pairs.modalities[context.task_index] = modalities
         if not slots:
             return
         refs = self.buffer.refs
         rows = context.task.train.with_format("torch")[[refs[slot][1] for slot in slots]]
         features = {"features_a": rows["features_a"].float(), "features_b": rows["features_b"].float()}
-        z_a, z_b = learner_outputs(context.model.learner_heads, modalities, features["features_a"],
+        z_a, z_b = learner_outputs(context.model.require_learner_heads(), modalities, features["features_a"],
                                    features["features_b"], self._record_batch_size(context))
         self.pairs.store(slots, len(self.buffer), {**features, "z_a": z_a, "z_b": z_b})
 
@@ -381,10 +381,10 @@ class DarkExperienceReplay(ExperienceReplay[DERConfigT]):
         context: TaskContext,
     ) -> dict[str, torch.Tensor]:
         if "features_a" in inputs:  # a pair batch: cached features through the learner heads
-            return self.pair_terms(model.learner_heads, context)
+            return self.pair_terms(model.require_learner_heads(), context)
         slots = self._global_slots(inputs, outputs)
         if slots is None:
-            zero = outputs.image_embeds.new_zeros((), dtype=torch.float32)
+            zero = outputs.global_batch()[0].new_zeros((), dtype=torch.float32)
             return {name: zero for name in self.term_names()}
         return self.replay_terms(outputs, slots, getattr(model, "loss_kind", "softmax"))
 
@@ -402,7 +402,7 @@ class DarkExperienceReplay(ExperienceReplay[DERConfigT]):
         slots = inputs.get(SLOT_COLUMN)
         if slots is None or self.image_targets is None:
             return None
-        return all_gather_no_grad(slots.to(outputs.image_embeds.device))
+        return all_gather_no_grad(slots.to(outputs.global_batch()[0].device))
 
     def _targets_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The stored embeddings on `device`, copied once per task (not per step)."""
@@ -515,6 +515,8 @@ class DarkExperienceReplayPlusPlus(DarkExperienceReplay[DERPPConfig]):
         logits = outputs.global_logits_per_image
         if logits is None:
             logits = outputs.logits_per_image
+        if logits is None:
+            raise ValueError("derpp: the model output holds no logits")
         subset_loss = subset_sigmoid_loss if loss_kind == "sigmoid" else subset_contrastive_loss
         terms["replay_contrastive"] = self.option("beta", pair=False) * subset_loss(
             logits, outputs.global_positive_mask, slots >= 0
