@@ -350,7 +350,9 @@ class ContinualDualEncoder(_PreTrainedModel):
             return self.learner_heads(modality_a, modality_b, features_a, features_b, return_loss=bool(return_loss))
         image_inputs = {name: kwargs.pop(name) for name in self.image_input_names[1:] if name in kwargs}
         image_features = as_embedding(self.get_image_features(pixel_values=pixel_values, **image_inputs))
-        text_inputs = self.text_inputs(input_ids, attention_mask)  # type: ignore[arg-type]
+        if input_ids is None:
+            raise ValueError("a batch of images and texts needs input_ids")
+        text_inputs = self.text_inputs(input_ids, attention_mask)
         if position_ids is not None:
             text_inputs["position_ids"] = position_ids
         text_features = as_embedding(self.get_text_features(**text_inputs))

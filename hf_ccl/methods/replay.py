@@ -55,7 +55,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
@@ -87,11 +87,10 @@ SETTING_DEFAULTS: dict[str, dict[str, float]] = {
 # Configs
 # ----------------------------------------------------------------------------------------------------------------
 @dataclass
-class ERConfig(MethodConfig):
-    buffer_size: int = field(
-        default=10_000,
-        metadata={"help": "Reservoir budget in training examples (image-text pairs); CTP: 10,000 (~1% of P9D)."},
-    )
+class ReservoirConfig(MethodConfig):
+    """What ER and the DERs share (the configs `ExperienceReplay` takes): each declares its own `buffer_size`."""
+
+    buffer_size: int | None = field(default=None, metadata={"help": "Reservoir budget in training examples."})
     seed: int = field(default=0, metadata={"help": "Buffer seed, combined with the run's per-task seed."})
 
     def __post_init__(self) -> None:
@@ -99,7 +98,15 @@ class ERConfig(MethodConfig):
 
 
 @dataclass
-class DERConfig(ERConfig):
+class ERConfig(ReservoirConfig):
+    buffer_size: int = field(
+        default=10_000,
+        metadata={"help": "Reservoir budget in training examples (image-text pairs); CTP: 10,000 (~1% of P9D)."},
+    )
+
+
+@dataclass
+class DERConfig(ReservoirConfig):
     buffer_size: int | None = field(
         default=None,
         metadata={"help": "Reservoir budget in training examples; None: 8,000 image-text pairs on CLIP tasks "
@@ -145,7 +152,7 @@ class DERPPConfig(DERConfig):
 # ER
 # ----------------------------------------------------------------------------------------------------------------
 #: The config of a subclass of ER (`ExperienceReplay[ItsConfig]`) and of DER.
-ERConfigT = TypeVar("ERConfigT", bound=ERConfig)
+ERConfigT = TypeVar("ERConfigT", bound=ReservoirConfig)
 DERConfigT = TypeVar("DERConfigT", bound=DERConfig)
 
 
@@ -156,17 +163,19 @@ class ExperienceReplay(ContinualMethod[ERConfigT]):
     name = "er"
     test_options = {"buffer_size": 16}  # a buffer that replays on 64-example tasks
     same_step_as = "derpp"
-    config_class = ERConfig
+    config_class: ClassVar[type[ReservoirConfig]] = ERConfig
     trains_on_past_tasks = True
     roles = {"training_data": "mixes a buffer of past examples into each task's data"}
     conflicts = {"training_data": "already mixes a buffer of past examples into each task's data: use one of them"}
 
-    def __init__(self, config: ERConfig | dict[str, Any] | None = None):
+    def __init__(self, config: ReservoirConfig | dict[str, Any] | None = None):
         super().__init__(config)
         self.buffer = ReservoirBuffer(self.capacity(pair=False), seed=self.config.seed)
 
     def capacity(self, pair: bool) -> int:
         """The reservoir's budget on pair tasks (`pair`) or CLIP tasks: ER's `buffer_size` in both."""
+        if self.config.buffer_size is None:  # an int in ERConfig; the DERs' None means a per-setting default
+            raise ValueError(f"{self.name} has no buffer_size")
         return self.config.buffer_size
 
     def replay_dataset(self, context: TaskContext) -> Dataset:

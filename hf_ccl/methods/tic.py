@@ -55,7 +55,7 @@ def fresh_model(model: ContinualDualEncoder, seed: int) -> ContinualDualEncoder:
         torch.manual_seed(seed)
         new = type(model)(config)
     dtype = next(model.parameters()).dtype
-    return new.to(dtype=dtype)  # type: ignore[call-arg]  # transformers' @wraps(nn.Module.to) types it unbound
+    return new.to(dtype=dtype)  # type: ignore[call-arg]  # transformers' @wraps(nn.Module.to) types PreTrainedModel.to unbound
 
 
 @dataclass

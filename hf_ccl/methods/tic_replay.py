@@ -145,11 +145,12 @@ def mix_pool(parts: Sequence[Dataset | IterableDataset], weights: Sequence[int |
     if not any(isinstance(part, IterableDataset) for part in parts):
         return concatenate_datasets(list(parts))
     streams = [part if isinstance(part, IterableDataset) else part.to_iterable_dataset() for part in parts]
-    if any(w is None for w in weights) or sum(weights) <= 0:  # type: ignore[arg-type]
+    given = [w for w in weights if w is not None]
+    if len(given) < len(weights) or sum(given) <= 0:
         probabilities = [1.0 / len(streams)] * len(streams)
     else:
-        total = float(sum(weights))  # type: ignore[arg-type]
-        probabilities = [w / total for w in weights]  # type: ignore[operator]
+        total = float(sum(given))
+        probabilities = [w / total for w in given]
     return interleave_datasets(streams, probabilities=probabilities, seed=seed, stopping_strategy="all_exhausted")
 
 

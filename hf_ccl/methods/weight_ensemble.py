@@ -252,6 +252,8 @@ class WeightEnsemble:
         return names, targets
 
     def _averages(self, names: list[str]) -> list[torch.Tensor]:
+        if self.average is None:
+            raise RuntimeError("WeightEnsemble: no mean yet (reset() before the first step)")
         return [self.average[name] for name in names]
 
 

@@ -179,7 +179,7 @@ class ZSCL(ContinualMethod[ZSCLConfig]):
             raise RuntimeError("zscl: no teacher (on_task_start was not called)")
         device = model.logit_scale.device
         if self._teacher_device != device:  # follows the student once (the Trainer moves it after task start)
-            self.teacher.to(device)  # type: ignore[arg-type]  # transformers' @wraps(nn.Module.to) types it unbound
+            self.teacher.to(device)  # type: ignore[arg-type]  # transformers' @wraps(nn.Module.to) types PreTrainedModel.to unbound
             self._teacher_device = device
         batch = context.reference_batch(self, device)
         image_inputs: dict[str, Any] = {name: batch[name] for name in model.image_input_names if name in batch}
