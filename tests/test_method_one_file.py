@@ -10,8 +10,12 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
+from hf_ccl.methods import ContinualMethod, MethodConfig
 from hf_ccl.paths import SHARED_ENV, shared_root
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,3 +98,21 @@ def test_a_method_file_alone_is_collected_and_trained_by_the_matrix(tmp_path):
     assert {f"test_sync_count.py::test_training_step_does_not_synchronize[{NAME}]",
             f"test_method_registry.py::test_every_option_of_every_method_refuses_a_wrong_type_in_one_line[{NAME}]",
             } <= passed, output
+
+
+def test_a_method_is_generic_in_its_config():
+    """`ContinualMethod[ItsConfig]` sets `config_class` (typing `self.config`); a `config_class` that is another
+    config is refused when the class is defined."""
+
+    @dataclass
+    class PullConfig(MethodConfig):
+        weight: float = 1.0
+
+    class Pull(ContinualMethod[PullConfig]):
+        name = "pull"
+
+    assert Pull.config_class is PullConfig
+    assert Pull({"weight": 0.5}).config == PullConfig(weight=0.5)
+    with pytest.raises(TypeError, match="config_class"):
+        class Mismatched(ContinualMethod[PullConfig]):  # noqa: F841 (defining it is the test)
+            config_class = MethodConfig
