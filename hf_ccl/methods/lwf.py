@@ -106,7 +106,10 @@ class LwF(TeacherMethod[LwFConfig]):
         old = self.teacher_similarity(model, inputs)
         if self.config.logits == "scaled":  # each model's own contrastive logits
             old = self.teacher.model.logit_scale.detach().float().exp() * old
-            new = outputs.global_batch()[2].float()  # exp(logit_scale) * M_t, with grad to the scale
+            logits = outputs.global_logits_per_image  # exp(logit_scale) * M_t, with grad to the scale
+            if logits is None:
+                raise ValueError("lwf: the model output holds no global logits (a features_only forward's)")
+            new = logits.float()
         else:
             new = student_similarity(outputs)
         loss = lwf_kl(old, new, self.config.directions, self.config.temperature, self.config.reduction)
