@@ -236,7 +236,7 @@ def load_continual_model(name_or_path: str, family: str | None = None, **kwargs:
     found = family_of(config)
     if family is not None and family_of(family) != found:
         raise ValueError(f"model.family is {family!r} but {name_or_path} is a {found!r} checkpoint")
-    return FAMILIES[found].from_pretrained(name_or_path, config=config, **kwargs)  # type: ignore[attr-defined, no-any-return]
+    return FAMILIES[found].from_pretrained(name_or_path, config=config, **kwargs)
 
 
 def tiny_config(family: str = "clip", **sizes: int) -> PretrainedConfig:

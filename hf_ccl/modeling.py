@@ -25,15 +25,15 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 from torch import nn
-from transformers import CLIPConfig, CLIPModel, PreTrainedTokenizerBase
+from transformers import CLIPConfig, CLIPModel, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.models.clip.modeling_clip import CLIPOutput
 
 from .distributed import all_gather_no_grad, all_gather_with_grad, rank, world_size
-from .heads import PairOutput
+from .heads import LearnerHeads, PairOutput
 from .losses import clip_contrastive_loss, positive_mask, sigmoid_contrastive_loss
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,13 @@ class ContinualDualEncoderOutput(CLIPOutput):
     all_text_embeds: torch.Tensor | None = None
     global_logits_per_image: torch.Tensor | None = None
     global_positive_mask: torch.Tensor | None = None
+
+    def global_batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(`all_image_embeds`, `all_text_embeds`, `global_logits_per_image`): set by every full forward; a
+        `features_only` output has none (ValueError)."""
+        if self.all_image_embeds is None or self.all_text_embeds is None or self.global_logits_per_image is None:
+            raise ValueError("this output holds no global batch: it is a features_only forward's")
+        return self.all_image_embeds, self.all_text_embeds, self.global_logits_per_image
 
 
 #: The name this output had when CLIP was the only family.
@@ -107,7 +114,7 @@ def as_embedding(output: Any) -> torch.Tensor:
     raise TypeError(f"cannot read an embedding from {type(output).__name__}; expected a tensor or pooler_output")
 
 
-def set_eos_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:
+def set_eos_token_ids(model: ContinualDualEncoder, tokenizer: PreTrainedTokenizerBase) -> None:
     """Set a CLIP-style text tower's BOS/EOS/PAD ids to the tokenizer's (it pools at the first EOS token)."""
     if tokenizer.eos_token_id is None:
         raise ValueError("The tokenizer has no EOS token; this text tower pools at its EOS position")
@@ -115,14 +122,25 @@ def set_eos_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> N
     text_config.eos_token_id = tokenizer.eos_token_id
     text_config.bos_token_id = tokenizer.bos_token_id
     text_config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    model.text_model.config.eos_token_id = tokenizer.eos_token_id
-    model.text_model.eos_token_id = tokenizer.eos_token_id
+    text_tower: Any = model.text_model  # the family's text transformer: its config and its pooling id
+    text_tower.config.eos_token_id = tokenizer.eos_token_id
+    text_tower.eos_token_id = tokenizer.eos_token_id
 
 
-class ContinualDualEncoder:
+if TYPE_CHECKING:
+    #: What the mixin is mixed into, for the type checker: every family's class is a transformers `PreTrainedModel`
+    #: (an `nn.Module`), so `model.parameters()`, `model.eval()`, `model.config` type-check on a `ContinualDualEncoder`.
+    _PreTrainedModel = PreTrainedModel
+else:
+    _PreTrainedModel = object
+
+
+class ContinualDualEncoder(_PreTrainedModel):
     """The dual-encoder protocol and the continual-learning additions shared by every family (module docstring).
 
     A mixin: a family is `class ContinualXModel(ContinualDualEncoder, XModel)` with the class attributes below set.
+    To the type checker it is a `PreTrainedModel` with the feature methods every family has (`get_image_features`,
+    `get_text_features`).
     """
 
     #: The family's name in configs (`model.family`) and in errors.
@@ -153,6 +171,12 @@ class ContinualDualEncoder:
     config: Any
     logit_scale: nn.Parameter
 
+    if TYPE_CHECKING:  # the family's transformers class defines them
+        def get_image_features(self, pixel_values: torch.Tensor | None = None, **kwargs: Any) -> Any: ...
+
+        def get_text_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                              position_ids: torch.Tensor | None = None, **kwargs: Any) -> Any: ...
+
     def _init_continual(self) -> None:
         #: Optional text prompt (e.g. `hf_ccl.methods.prompt.TextPrompt`): a module called as
         #: `text_prompt(text_model, input_ids, attention_mask)` that returns the text tower's output (unprojected
@@ -162,7 +186,13 @@ class ContinualDualEncoder:
         #: Optional per-modality learner heads (`hf_ccl.heads.LearnerHeads`, CMCL's setting): a batch of cached
         #: frozen features (`features_a`, `features_b`, `modality_a`, `modality_b`) runs through them. Folded into
         #: the projections by `save_pretrained`, so checkpoints stay plain; the heads live in method state.
-        self.learner_heads: nn.Module | None = None
+        self.learner_heads: LearnerHeads | None = None
+
+    def require_learner_heads(self) -> LearnerHeads:
+        """`learner_heads`, which the `learner_heads` method sets before a pair task trains (ValueError without)."""
+        if self.learner_heads is None:
+            raise ValueError("this model has no learner heads: add the learner_heads method")
+        return self.learner_heads
 
     # ----- the protocol ------------------------------------------------------------------------------------
     @property
@@ -198,7 +228,8 @@ class ContinualDualEncoder:
     def projection(self, modality: str) -> nn.Linear | None:
         """The tower's final linear map into the shared space (`projection_names`), or None."""
         name = self.projection_names[modality]
-        return None if name is None else self.get_submodule(name)  # type: ignore[arg-type]
+        # `projection_names` name linear layers (nothing replaces them: LoRA adapts the encoder layers only)
+        return None if name is None else cast(nn.Linear, self.get_submodule(name))
 
     def family_error(self, what: str) -> ValueError:
         return ValueError(f"{what} is not available for the {self.family} family ({type(self).__name__})")
@@ -212,12 +243,15 @@ class ContinualDualEncoder:
                 f"{self.get_input_embeddings().num_embeddings} rows; call model.resize_token_embeddings(len(tokenizer))"
             )
 
-    def get_input_embeddings(self) -> nn.Module:
-        return self.get_submodule(self.token_embedding_path)  # type: ignore[arg-type]
+    def get_input_embeddings(self) -> nn.Embedding:
+        embedding = self.get_submodule(self.token_embedding_path)
+        if not isinstance(embedding, nn.Embedding):
+            raise TypeError(f"{self.token_embedding_path} is a {type(embedding).__name__}, not the token embedding")
+        return embedding
 
     def set_input_embeddings(self, value: nn.Module) -> None:
         parent, _, name = self.token_embedding_path.rpartition(".")
-        setattr(self.get_submodule(parent), name, value)  # type: ignore[arg-type]
+        setattr(self.get_submodule(parent), name, value)
 
     def resize_token_embeddings(
         self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None, mean_resizing: bool = True
@@ -227,7 +261,7 @@ class ContinualDualEncoder:
         `mean_resizing=False` leaves new rows at the default init, for methods that set their own (TEIR).
         """
         old = self.get_input_embeddings()
-        embedding = self._get_resized_embeddings(  # type: ignore[attr-defined]
+        embedding = self._get_resized_embeddings(
             old, new_num_tokens, pad_to_multiple_of=pad_to_multiple_of, mean_resizing=mean_resizing
         )
         self.set_input_embeddings(embedding)
@@ -246,8 +280,8 @@ class ContinualDualEncoder:
     # ----- embeddings --------------------------------------------------------------------------------------
     def image_inputs(
         self, batch: Mapping[str, Any], rows: torch.Tensor | None = None, device: torch.device | str | None = None
-    ) -> dict[str, torch.Tensor]:
-        """The image tower's inputs of a collated batch (`image_input_names`), optionally only `rows` and on
+    ) -> dict[str, Any]:
+        """The image tower's inputs of a collated batch (`image_input_names`: tensors), optionally only `rows` and on
         `device`: what `embed_images(**...)` and `get_image_features(**...)` take."""
         missing = [name for name in self.image_input_names if name not in batch]
         if missing:
@@ -261,7 +295,7 @@ class ContinualDualEncoder:
         self, pixel_values: torch.Tensor, normalize: bool = True, **image_inputs: torch.Tensor
     ) -> torch.Tensor:
         """Projected image embeddings [B, embed_dim]; `image_inputs`: the tower's other inputs (SigLIP 2)."""
-        embeds = as_embedding(self.get_image_features(pixel_values=pixel_values, **image_inputs))  # type: ignore[attr-defined]
+        embeds = as_embedding(self.get_image_features(pixel_values=pixel_values, **image_inputs))
         return nn.functional.normalize(embeds, dim=-1) if normalize else embeds
 
     def text_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> dict[str, Any]:
@@ -275,11 +309,11 @@ class ContinualDualEncoder:
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, normalize: bool = True
     ) -> torch.Tensor:
         """Projected text embeddings [B, embed_dim]."""
-        embeds = as_embedding(self.get_text_features(**self.text_inputs(input_ids, attention_mask)))  # type: ignore[attr-defined]
+        embeds = as_embedding(self.get_text_features(**self.text_inputs(input_ids, attention_mask)))
         return nn.functional.normalize(embeds, dim=-1) if normalize else embeds
 
     # ----- forward -----------------------------------------------------------------------------------------
-    def forward(  # type: ignore[override]
+    def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         pixel_values: torch.FloatTensor | None = None,
@@ -315,11 +349,13 @@ class ContinualDualEncoder:
                 raise ValueError("a pair batch needs features_a, features_b, modality_a and modality_b")
             return self.learner_heads(modality_a, modality_b, features_a, features_b, return_loss=bool(return_loss))
         image_inputs = {name: kwargs.pop(name) for name in self.image_input_names[1:] if name in kwargs}
-        image_features = as_embedding(self.get_image_features(pixel_values=pixel_values, **image_inputs))  # type: ignore[attr-defined]
-        text_inputs = self.text_inputs(input_ids, attention_mask)  # type: ignore[arg-type]
+        image_features = as_embedding(self.get_image_features(pixel_values=pixel_values, **image_inputs))
+        if input_ids is None:
+            raise ValueError("a batch of images and texts needs input_ids")
+        text_inputs = self.text_inputs(input_ids, attention_mask)
         if position_ids is not None:
             text_inputs["position_ids"] = position_ids
-        text_features = as_embedding(self.get_text_features(**text_inputs))  # type: ignore[attr-defined]
+        text_features = as_embedding(self.get_text_features(**text_inputs))
         if features_only:
             return ContinualDualEncoderOutput(image_features=image_features, text_features=text_features)
         return self.contrastive_outputs(image_features, text_features, text_hash, image_hash, return_loss=return_loss)
@@ -378,14 +414,14 @@ class ContinualDualEncoder:
     # ----- saving ------------------------------------------------------------------------------------------
     def plain_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights of the plain model this one stands for: no `text_prompt`, the learner heads folded in."""
-        state = {name: tensor for name, tensor in self.state_dict().items()  # type: ignore[attr-defined]
+        state = {name: tensor for name, tensor in self.state_dict().items()
                  if not name.startswith(("text_prompt.", "learner_heads.", "moe_adapters."))}
         if self.learner_heads is not None:
             names = self.projection_names["image"], self.projection_names["text"]
             if None in names:
                 raise self.family_error("folding learner heads into the projections")
-            visual, text = self.learner_heads.folded_projections(  # type: ignore[operator]
-                self.get_submodule(names[0]).weight.detach(), self.get_submodule(names[1]).weight.detach())  # type: ignore[arg-type, union-attr]
+            visual, text = self.learner_heads.folded_projections(
+                self.get_parameter(f"{names[0]}.weight").detach(), self.get_parameter(f"{names[1]}.weight").detach())
             state[f"{names[0]}.weight"], state[f"{names[1]}.weight"] = visual, text
         return state
 
@@ -398,7 +434,7 @@ class ContinualDualEncoder:
         `learner_heads`: their image and text heads are folded into the projections."""
         if kwargs.get("state_dict") is None and (self.text_prompt is not None or self.learner_heads is not None):
             kwargs["state_dict"] = self.plain_state_dict()
-        super().save_pretrained(save_directory, *args, **kwargs)  # type: ignore[misc]
+        super().save_pretrained(save_directory, *args, **kwargs)
         config_path = os.path.join(save_directory, "config.json")
         if os.path.exists(config_path):
             with open(config_path, encoding="utf-8") as handle:
@@ -419,7 +455,8 @@ class ContinualCLIPModel(ContinualDualEncoder, CLIPModel):
     def __init__(self, config: CLIPConfig):
         super().__init__(config)
         self._init_continual()
-        if config.text_config.eos_token_id == LEGACY_EOS_TOKEN_ID and config.text_config.vocab_size > 3:
+        text_config = self.config.text_config
+        if text_config.eos_token_id == LEGACY_EOS_TOKEN_ID and text_config.vocab_size > 3:
             logger.warning(
                 "text_config.eos_token_id is the legacy value 2: CLIP then pools at input_ids.argmax(), which is "
                 "wrong once tokens are added. Call model.align_special_tokens(tokenizer)."
@@ -434,7 +471,7 @@ class ContinualCLIPModel(ContinualDualEncoder, CLIPModel):
         set_eos_token_ids(self, tokenizer)
         super().align_special_tokens(tokenizer)
 
-    def get_text_features(  # type: ignore[override]
+    def get_text_features(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,

@@ -55,7 +55,7 @@ def load_model(config: RunConfig) -> ContinualDualEncoder:
         return load_continual_model(pretrained, family)
     torch.manual_seed(config.seed)
     family = family or "clip"
-    return family_class(family)(tiny_config(family, **(config.model.get("config") or {})))  # type: ignore[call-arg]
+    return family_class(family)(tiny_config(family, **(config.model.get("config") or {})))
 
 
 def config_family(config: RunConfig) -> str | None:

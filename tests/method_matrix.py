@@ -3,12 +3,12 @@ exact resume, bad options, two processes): every registered method, with the opt
 on a tiny CLIP, on the first tasks of the bundled `digits` stream (68 training examples each: a whole batch of 64
 even when `patching` holds 4 out).
 
-Methods that only train pair tasks (CMCL's `learner_heads`) run on the first tasks of `flickr-fashion-pairs`
-instead (`task_stream`).
-
-A new method is covered by every one of those tests as soon as its file is in `hf_ccl/methods/`; if it needs options
-to train on 64-example tasks, they are one entry of `METHOD_ARGS` (the only place that holds per-method test
-options: `tests/scripts/` read it too)."""
+Everything per method is read from the method class itself (`ContinualMethod`'s test declarations, each from the
+class's own body): `test_options` (its options for 64-example tasks), `test_stream` (methods that attach learner
+heads run on a pair stream), `same_step_as`, `variant_of` and `test_families`. A new method is covered by every one of those
+tests as soon as its file is in `hf_ccl/methods/`, with no edit here: with no declaration it trains on CLIP with its
+default options, in every default check, as the representative of a step of its own (`tests/test_method_one_file.py`
+proves it). `tests/scripts/` read the options too (`method_args`)."""
 
 from __future__ import annotations
 
@@ -25,60 +25,55 @@ from hf_ccl.data import ModelPart, build_stream, load_tokenizer
 from hf_ccl.families import FAMILIES, default_image_processor
 from hf_ccl.methods import METHODS as METHOD_CLASSES
 from hf_ccl.methods import available_methods, build_methods
+from hf_ccl.methods.base import ContinualMethod
 from hf_ccl.testing import tiny_model
 
-#: Small buffers and queues, so that replay and momentum contrast engage on 64-example tasks; MAS's importance pass
-#: (one backward pass per example, each with a dense gradient of the whole token embedding) on 8 examples of a task.
-METHOD_ARGS: dict[str, dict[str, Any]] = {
-    "er": {"buffer_size": 16}, "der": {"buffer_size": 16}, "derpp": {"buffer_size": 16},
-    "ctp": {"queue_size": 32}, "patching": {"validation_size": 4},
-    "gem": {"memory_per_task": 16}, "agem": {"memory_per_task": 16, "reference_batch_size": 8},
-    "mas": {"importance_batch_size": 8, "importance_max_batches": 1},
-    "moe_adapters": {"num_experts": 4, "bottleneck": 4, "router_noise": False, "dropout": 0.0, "ddas_steps": 20,
-                     "ddas_code_dim": 8},
-    "weight_ensemble": {"every": 1},
-    "zscl": {"reference_examples": 24, "reference_batch_size": 8, "ensemble_every": 1},
-}
+
+def declared(name: str, attribute: str) -> Any:
+    """A test declaration of method `name` as its own class body sets it (a subclass is another method: its parent's
+    declarations are not its own), else `ContinualMethod`'s default."""
+    return vars(METHOD_CLASSES[name]).get(attribute, getattr(ContinualMethod, attribute))
+
+
 METHODS = sorted(available_methods())
-#: Methods that are another matrix method's class with another formula or alias (TiC's names for the same loop):
-#: their runs of the every-method matrices (resume, accumulation, compile, bf16) are marked `slow`, the method named
-#: beside each runs by default; `pytest -m slow` runs them all. Bad-option and two-process checks cover every method.
-MATRIX_SIBLINGS = {"sequential": "finetune", "cumulative_exp": "cumulative_all", "cumulative_equal": "cumulative_all",
-                   "restart": "oracle", "der": "derpp"}
+#: Each method's `test_options`: small buffers and queues, so that replay and momentum contrast engage on
+#: 64-example tasks; MAS's importance pass on 8 examples of a task.
+METHOD_ARGS: dict[str, dict[str, Any]] = {name: dict(declared(name, "test_options")) for name in METHODS
+                                          if declared(name, "test_options")}
+#: Methods that are another matrix method's class with another formula or alias (`variant_of`; TiC's names for the
+#: same loop): their runs of the every-method matrices (resume, accumulation, compile, bf16) are marked `slow`, the
+#: method named beside each runs by default; `pytest -m slow` runs them all. Bad-option and two-process checks cover
+#: every method.
+MATRIX_SIBLINGS = {name: declared(name, "variant_of") for name in METHODS if declared(name, "variant_of")}
 #: Every method as a pytest parameter, the siblings marked `slow`.
 MATRIX = [pytest.param(name, marks=pytest.mark.slow) if name in MATRIX_SIBLINGS else name for name in METHODS]
-#: Methods whose training step is another method's (the same losses, hooks and state per step; they differ in data,
-#: aliases, formulas or task-end work), with that method. The expensive every-method checks (two processes, the
-#: compiled step, bf16, exact accumulation, the sync count) run every other method by default (`REPRESENTATIVE`: one
-#: per step mechanism, and any new method) and these under `-m slow`.
-SAME_STEP_AS = {
-    "sequential": "finetune", "joint": "finetune", "cumulative_all": "finetune", "cumulative_exp": "finetune",
-    "cumulative_equal": "finetune", "oracle": "finetune", "restart": "finetune", "patching": "finetune",
-    "lwf": "modx", "mas": "ewc", "er": "derpp", "der": "derpp", "grow_vocab": "cllclip", "prompt": "lora",
-    "wise_ft": "finetune", "weight_ensemble": "zscl",
-}
-assert set(SAME_STEP_AS) | set(SAME_STEP_AS.values()) <= set(METHODS), "SAME_STEP_AS names an unknown method"
+#: Methods whose training step is another method's (`same_step_as`: the same losses, hooks and state per step; they
+#: differ in data, aliases, formulas or task-end work), with that method. The expensive every-method checks (two
+#: processes, the compiled step, bf16, exact accumulation, the sync count) run every other method by default
+#: (`REPRESENTATIVE`: one per step mechanism, and any new method) and these under `-m slow`.
+SAME_STEP_AS = {name: declared(name, "same_step_as") for name in METHODS
+                if declared(name, "same_step_as") not in (None, name)}
+assert set(SAME_STEP_AS.values()) <= set(METHODS), f"same_step_as names an unknown method: {SAME_STEP_AS}"
+assert set(MATRIX_SIBLINGS.values()) <= set(METHODS), f"variant_of names an unknown method: {MATRIX_SIBLINGS}"
 REPRESENTATIVE = {name for name in METHODS if name not in SAME_STEP_AS}
 #: Every method as a pytest parameter, those in `SAME_STEP_AS` marked `slow`.
 REPRESENTATIVE_MATRIX = [name if name in REPRESENTATIVE else pytest.param(name, marks=pytest.mark.slow)
                          for name in METHODS]
-#: Methods that train pair tasks only (learner heads on cached features): they run on a pair stream.
+#: Methods that train pair tasks only (learner heads on cached features, found by what they attach): they run on a
+#: pair stream, and so does any method tested beside them. Every other method runs on its `test_stream`.
 PAIR_ONLY = {name for name in METHODS if METHOD_CLASSES[name].attaches is ModelPart.LEARNER_HEADS}
+PAIR_STREAM = "flickr-fashion-pairs"
+TEST_STREAMS = {name: PAIR_STREAM if name in PAIR_ONLY else declared(name, "test_stream") for name in METHODS}
 #: The other families (CLIP runs `MATRIX`).
 OTHER_FAMILIES = [family for family in FAMILIES if family != "clip"]
-
-
-#: What each other family runs by default (everything else under `-m slow`): `finetune` on each, and every other
-#: `REPRESENTATIVE` step mechanism on one family, SigLIP (the sigmoid loss) taking the distillation and replay ones.
-FAMILY_DEFAULTS = {
-    "siglip": {"finetune", "modx", "ctp", "derpp", "ewc", "agem"},
-    "siglip2": {"finetune", "cllclip", "gem", "moe_adapters"},
-    "altclip": {"finetune", "teir", "lora"},
-    "chinese_clip": {"finetune", "dns", "learner_heads"},
-    "metaclip_2": {"finetune", "si", "zscl"},
-}
-assert set(FAMILY_DEFAULTS) == set(OTHER_FAMILIES), "FAMILY_DEFAULTS names every other family"
-assert REPRESENTATIVE <= set().union(*FAMILY_DEFAULTS.values()), "a representative method runs on no other family"
+#: What each other family runs by default (everything else under `-m slow`): the methods that name it in
+#: `test_families` (`finetune` on each, and every other `REPRESENTATIVE` step mechanism on one family, SigLIP (the
+#: sigmoid loss) taking the distillation and replay ones).
+FAMILY_DEFAULTS = {family: {name for name in METHODS if family in declared(name, "test_families")}
+                   for family in OTHER_FAMILIES}
+_unknown = {name: declared(name, "test_families") for name in METHODS
+            if not set(declared(name, "test_families")) <= set(OTHER_FAMILIES)}
+assert not _unknown, f"test_families names a family that is not one of {OTHER_FAMILIES}: {_unknown}"
 
 
 #: (family, method) for every supported family and every method it does not refuse (`unsupported_methods`):
@@ -116,17 +111,19 @@ class LogRecorder(TrainerCallback):
         return next(logs for number, logs in self.logs if number == task and "loss" in logs)
 
 
-def tiny_stream(tasks: int = 2, train: int = 68, evaluate: int = 8, pairs: bool = False):
-    """The first `tasks` tasks of `digits` (of `flickr-fashion-pairs` with `pairs`)."""
-    name = "flickr-fashion-pairs" if pairs else "digits"
-    stream = build_stream(name, max_train_per_task=train, max_eval_per_task=evaluate)
+def tiny_stream(tasks: int = 2, train: int = 68, evaluate: int = 8, pairs: bool = False, name: str = "digits"):
+    """The first `tasks` tasks of the bundled stream `name` (of `flickr-fashion-pairs` with `pairs`)."""
+    stream = build_stream(PAIR_STREAM if pairs else name, max_train_per_task=train, max_eval_per_task=evaluate)
     stream.tasks = stream.tasks[:tasks]
     return stream
 
 
 def task_stream(names: list[str] | tuple[str, ...], tasks: int = 2, train: int = 68, evaluate: int = 8):
-    """The stream `names` are tested on: a pair stream when one of them trains pair tasks only."""
-    return tiny_stream(tasks, train, evaluate, pairs=bool(PAIR_ONLY & set(names)))
+    """The stream `names` are tested on: the one a method among them declares (`test_stream`, e.g. a pair stream
+    for a method that trains pair tasks only), else `digits`."""
+    declared_streams = sorted({TEST_STREAMS[name] for name in names if name in TEST_STREAMS} - {"digits"})
+    assert len(declared_streams) <= 1, f"{names} declare different test streams: {declared_streams}"
+    return tiny_stream(tasks, train, evaluate, name=declared_streams[0] if declared_streams else "digits")
 
 
 def run_method(

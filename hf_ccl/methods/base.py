@@ -27,9 +27,10 @@ out a combination or an order (`roles`, `conflicts`, `runs_after`, `runs_before`
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, cast, get_args, get_origin
 
 import torch
 from datasets import Dataset
@@ -67,7 +68,8 @@ class MethodConfig:
             return cls(**checked)
         except ValueError as error:  # the config's own range and choice checks
             message = str(error).removeprefix(f"{name}: ")
-            key = f"method_args.{name}" + (f".{error.key}" if getattr(error, "key", None) else "")
+            option = getattr(error, "key", None)  # a `ConfigError` (a ValueError) names its option
+            key = f"method_args.{name}" + (f".{option}" if option else "")
             raise ConfigError(f"method_args.{name}: {message}", key) from error
 
     def to_dict(self) -> dict[str, Any]:
@@ -152,11 +154,26 @@ class TaskContext:
                              "context.collator, context.train_dataset, context.optimizer, context.training_args, ...")
 
 
-class ContinualMethod:
-    """Base class of every method: all hooks are no-ops, so a method overrides only what it changes."""
+#: A method's config class: `class ZSCL(ContinualMethod[ZSCLConfig])` types `self.config` as a `ZSCLConfig`.
+ConfigT = TypeVar("ConfigT", bound=MethodConfig)
+
+
+def pair_modalities(task: Task) -> tuple[str, str]:
+    """The modality pair of a pair task (ValueError for a task of another kind, which has none)."""
+    if task.modalities is None:
+        raise ValueError(f"task {task.name!r} has no modality pair: it is not a pair task")
+    return task.modalities
+
+
+class ContinualMethod(Generic[ConfigT]):
+    """Base class of every method: all hooks are no-ops, so a method overrides only what it changes.
+
+    Generic in its config: a method with options subclasses `ContinualMethod[ItsConfig]` and sets
+    `config_class = ItsConfig` (checked to agree when the class is defined); `self.config` is then typed."""
 
     name: ClassVar[str] = ""
     config_class: ClassVar[type[MethodConfig]] = MethodConfig
+    config: ConfigT
     #: True when the method's loss terms are the whole loss: `ContinualTrainer` then leaves out the model's own
     #: contrastive loss (CLL-CLIP trains with its cross-lingual and cross-modal terms only).
     replaces_contrastive_loss: ClassVar[bool] = False
@@ -191,12 +208,43 @@ class ContinualMethod:
     #: model. The model card's "How to use" gives it (`hf_ccl.methods.loading`).
     checkpoint_loader: ClassVar[CheckpointLoader | None] = None
 
+    # How the every-method test matrix (`tests/method_matrix.py`) runs the method. Read from the class's own body,
+    # not inherited (a subclass is another method); the defaults fit a new method: trained on CLIP with its default
+    # options on the `digits` stream, in every default check, as the representative of a step of its own.
+    #: Options that let it train in seconds on the tests' 64-example tasks of a tiny model (a smaller buffer).
+    test_options: ClassVar[dict[str, Any]] = {}
+    #: The bundled stream the matrix trains it on (methods that attach learner heads run on a pair stream).
+    test_stream: ClassVar[str] = "digits"
+    #: The method whose training step this one's is (same losses, hooks and per-step state; it differs in data,
+    #: aliases, formulas or task-end work): the expensive checks run that one by default and this one under `-m slow`.
+    same_step_as: ClassVar[str | None] = None
+    #: The method whose class this one is under another formula or alias (TiC-CLIP's names for the same loop): every
+    #: matrix run of this one is under `-m slow`.
+    variant_of: ClassVar[str | None] = None
+    #: The families besides CLIP whose default matrix runs this method (the others run it under `-m slow`).
+    test_families: ClassVar[tuple[str, ...]] = ()
+
     def __init__(self, config: MethodConfig | dict[str, Any] | None = None):
         if config is None or isinstance(config, dict):
             config = self.config_class.from_dict(config, self.name)
         if not isinstance(config, self.config_class):
             raise TypeError(f"Method {self.name!r} expects a {self.config_class.__name__}, got {type(config).__name__}")
-        self.config = config
+        self.config = cast(ConfigT, config)  # an instance of `config_class`, which __init_subclass__ ties to ConfigT
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """`config_class` from the config the class is generic in (`ContinualMethod[ItsConfig]`) when the body sets
+        none; a `config_class` that is not that config is refused."""
+        super().__init_subclass__(**kwargs)
+        for base in vars(cls).get("__orig_bases__", ()):
+            declared, origin = get_args(base), get_origin(base)
+            if not (declared and isinstance(origin, type) and issubclass(origin, ContinualMethod)
+                    and isinstance(declared[0], type)):
+                continue
+            if "config_class" not in vars(cls):
+                cls.config_class = declared[0]
+            elif not issubclass(cls.config_class, declared[0]):
+                raise TypeError(f"{cls.__name__} is {origin.__name__}[{declared[0].__name__}] but its config_class "
+                                f"is {cls.config_class.__name__}")
 
     def check_stream(self, stream: TaskStream) -> None:
         """Refuse a stream the method cannot train (raise ValueError), before anything is built or trained."""
@@ -278,7 +326,7 @@ class ContinualMethod:
         `context.per_device_batch_size` are then set.
         """
 
-    def metrics(self) -> dict[str, float | torch.Tensor]:
+    def metrics(self) -> Mapping[str, float | torch.Tensor]:
         """Diagnostics to log beside the loss (not added to it), e.g. the fraction of rows Mod-X keeps;
         averaged over the steps of each logging window and logged as `<method>/<name>`.
 

@@ -67,7 +67,7 @@ from .regularization import token_embedding_name
 from .teacher import FrozenTeacher
 
 if TYPE_CHECKING:
-    from ..modeling import ContinualCLIPModel, ContinualCLIPOutput
+    from ..modeling import ContinualDualEncoder, ContinualDualEncoderOutput
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ class CLLTeacher:
     """The frozen original CLIP: unnormalised image features r^I and English text features r^E, cached per task by
     image hash and English-caption hash (the features depend only on the image or the caption string)."""
 
-    def __init__(self, model: ContinualCLIPModel, cache: bool = True):
+    def __init__(self, model: ContinualDualEncoder, cache: bool = True):
         self.model = model
         self.model.eval()
         self.model.requires_grad_(False)
@@ -181,7 +181,7 @@ class CLLTeacher:
 
     def to(self, device: torch.device | str) -> CLLTeacher:
         if self.device != torch.device(device):
-            self.model.to(device)
+            self.model.to(device)  # type: ignore[arg-type]  # transformers' @wraps(nn.Module.to) types PreTrainedModel.to unbound
             self.clear_cache()
         return self
 
@@ -228,14 +228,17 @@ def tensor_digest(tensor: torch.Tensor) -> str:
 
 
 def plain_clip_copy(
-    state: dict[str, torch.Tensor], config: dict[str, Any], model_class: type | None = None
-) -> ContinualCLIPModel:
+    state: dict[str, torch.Tensor], config: dict[str, Any], model_class: type[ContinualDualEncoder] | None = None
+) -> ContinualDualEncoder:
     """A model of `model_class` (default `ContinualCLIPModel`; any family) built from `config` holding exactly
     `state` (cloned, dtypes and devices kept)."""
     from ..modeling import ContinualCLIPModel
 
     model_class = model_class or ContinualCLIPModel
-    copy = model_class(model_class.config_class.from_dict(dict(config)))
+    config_class = model_class.config_class
+    if config_class is None:
+        raise TypeError(f"{model_class.__name__} names no config_class")
+    copy = model_class(config_class.from_dict(dict(config)))
     expected = set(copy.state_dict())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
@@ -247,16 +250,18 @@ def plain_clip_copy(
     copy.load_state_dict({name: value.detach().clone() for name, value in state.items()}, assign=True)
     devices = {value.device for value in state.values()}
     if len(devices) == 1:
-        copy.to(devices.pop())  # the buffers that the state does not hold (position_ids) follow the weights
+        # the buffers that the state does not hold (position_ids) follow the weights
+        copy.to(devices.pop())  # type: ignore[arg-type]  # transformers' @wraps(nn.Module.to) types PreTrainedModel.to unbound
     return copy
 
 
 # ----- the method -------------------------------------------------------------------------------------------------
 @register_method
-class CLLCLIP(ContinualMethod):
+class CLLCLIP(ContinualMethod[CLLCLIPConfig]):
     """CLL-CLIP: token embeddings only, distilled from the frozen initial CLIP (module docstring, Eqs. 2–4)."""
 
     name = "cllclip"
+    test_families = ("siglip2",)
     config_class = CLLCLIPConfig
     roles = {"previous_model": "trains the token embeddings of the CLIP it starts from, distilled from it"}
     runs_before = {
@@ -328,9 +333,9 @@ class CLLCLIP(ContinualMethod):
     # ----- loss -------------------------------------------------------------------------------------------------
     def loss_terms(
         self,
-        model: ContinualCLIPModel,
+        model: ContinualDualEncoder,
         inputs: dict[str, torch.Tensor],
-        outputs: ContinualCLIPOutput,
+        outputs: ContinualDualEncoderOutput,
         context: TaskContext,
     ) -> dict[str, torch.Tensor]:
         """`cross_modal` = γ1·L_cm (Eq. 2) and `cross_lingual` = γ2·L_cl (Eq. 3), already weighted (Eq. 4)."""
@@ -387,7 +392,7 @@ class CLLCLIP(ContinualMethod):
         self.tokenizer = tokenizer
         self._tokenizer_files = tokenizer_files(tokenizer)
 
-    def _ensure_teacher(self, model: nn.Module) -> CLLTeacher:
+    def _ensure_teacher(self, model: ContinualDualEncoder) -> CLLTeacher:
         """The teacher, rebuilt from a loaded state (and `model`'s tensors, digest-checked) if needed."""
         if self._pending is not None:
             self._rebuild(model, self._pending)
@@ -396,7 +401,7 @@ class CLLCLIP(ContinualMethod):
             raise RuntimeError("cllclip: no teacher (on_task_start was not called)")
         return self.teacher
 
-    def _rebuild(self, model: nn.Module, state: dict[str, Any]) -> None:
+    def _rebuild(self, model: ContinualDualEncoder, state: dict[str, Any]) -> None:
         config, digests = dict(state["config"]), dict(state.get("digests", {}))
         stored, rows = dict(state.get("tensors", {})), dict(state.get("rows", {}))
         live = model.state_dict()
@@ -479,7 +484,7 @@ def _row_delta(teacher: torch.Tensor, live: torch.Tensor | None) -> dict[str, An
     return {"num_rows": int(teacher.shape[0]), "index": index.cpu(), "values": teacher[index].detach().cpu()}
 
 
-def freeze_all_but_token_embedding(model: nn.Module) -> None:
+def freeze_all_but_token_embedding(model: ContinualDualEncoder) -> None:
     """`requires_grad=False` on every parameter except the text token embedding θ_t (spec §2.1)."""
     name = token_embedding_name(model)
     if name is None:

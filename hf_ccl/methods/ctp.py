@@ -137,11 +137,13 @@ class CTPConfig(MethodConfig):
 
 
 @register_method
-class CTP(ContinualMethod):
+class CTP(ContinualMethod[CTPConfig]):
     """CTP for CLIP: momentum contrast against a compatible momentum model and its queues, and topology
     preservation against the previous-task model. Loss terms: `cmc`, `topology_cross`, `topology_same`."""
 
     name = "ctp"
+    test_options = {"queue_size": 32}  # a queue that fills on 64-example tasks
+    test_families = ("siglip",)
     config_class = CTPConfig
     roles = {"previous_model": "builds its momentum model from the previous task's model and preserves its topology"}
     config: CTPConfig
@@ -185,9 +187,8 @@ class CTP(ContinualMethod):
         """L^c_ita (Eq. 4) and, from the second task on, L_c (Eq. 7) and L_s (Eq. 9), each weighted (Eq. 10)."""
         if self.task_index is None:
             raise RuntimeError("ctp: loss_terms called before on_task_start")
-        device = outputs.all_image_embeds.device
-        self._to_device(device)
-        image, text = outputs.all_image_embeds, outputs.all_text_embeds
+        image, text, _ = outputs.global_batch()
+        self._to_device(image.device)
         text_hash, image_hash = self._global_hashes(inputs)
         terms: dict[str, torch.Tensor] = {}
         if self.momentum_model is not None:
@@ -241,9 +242,9 @@ class CTP(ContinualMethod):
         image_hash: torch.Tensor | None,
     ) -> torch.Tensor:
         """L^c_ita = (L^c_i2t + L^c_t2i) / 2 against [this batch's momentum features; queue] (Eq. 4)."""
-        queue_mask = None
-        if mask is not None and self.image_queue is not None and text_hash is not None and image_hash is not None:
-            queue_mask = queue_positive_mask(text_hash, image_hash, self.text_queue_hash, self.image_queue_hash)
+        queue_mask, queues = None, self._queues()
+        if mask is not None and queues is not None and text_hash is not None and image_hash is not None:
+            queue_mask = queue_positive_mask(text_hash, image_hash, queues[3], queues[2])
         tau = self.config.temperature
         i2t = momentum_contrast_loss(image, momentum_text, self.text_queue, tau, mask, queue_mask)
         t2i = momentum_contrast_loss(
@@ -259,16 +260,25 @@ class CTP(ContinualMethod):
         image_hash: torch.Tensor | None,
     ) -> None:
         """Push the global batch's momentum features (and their hashes; 0 when absent) into the FIFO queues."""
-        if self.image_queue is None:
+        queues = self._queues()
+        if queues is None:
             return
+        image_queue, text_queue, image_queue_hash, text_queue_hash = queues
         pointer = self.queue_pointer
-        self.image_queue, _ = enqueue(self.image_queue, pointer, momentum_image)
-        self.text_queue, _ = enqueue(self.text_queue, pointer, momentum_text)
+        self.image_queue, _ = enqueue(image_queue, pointer, momentum_image)
+        self.text_queue, _ = enqueue(text_queue, pointer, momentum_text)
         zeros = torch.zeros(momentum_image.shape[0], dtype=torch.int64, device=momentum_image.device)
-        self.image_queue_hash, _ = enqueue(self.image_queue_hash, pointer, zeros if image_hash is None else image_hash)
+        self.image_queue_hash, _ = enqueue(image_queue_hash, pointer, zeros if image_hash is None else image_hash)
         self.text_queue_hash, self.queue_pointer = enqueue(
-            self.text_queue_hash, pointer, zeros if text_hash is None else text_hash
+            text_queue_hash, pointer, zeros if text_hash is None else text_hash
         )
+
+    def _queues(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(image queue, text queue, their hashes), made together by `_ensure_queues`; None without a queue."""
+        if (self.image_queue is None or self.text_queue is None or self.image_queue_hash is None
+                or self.text_queue_hash is None):
+            return None
+        return self.image_queue, self.text_queue, self.image_queue_hash, self.text_queue_hash
 
     def _ensure_queues(self, dim: int, seed: int) -> None:
         """Random unit vectors (official code), seeded so that every process starts from the same queues."""
@@ -324,10 +334,10 @@ class CTP(ContinualMethod):
         for teacher in (self.reference, self.momentum_model):
             if teacher is not None and next(teacher.parameters()).device != device:
                 teacher.to(device)
-        if self.image_queue is not None and self.image_queue.device != device:
-            self.image_queue, self.text_queue = self.image_queue.to(device), self.text_queue.to(device)
-            self.image_queue_hash = self.image_queue_hash.to(device)
-            self.text_queue_hash = self.text_queue_hash.to(device)
+        queues = self._queues()
+        if queues is not None and queues[0].device != device:
+            self.image_queue, self.text_queue, self.image_queue_hash, self.text_queue_hash = (
+                queue.to(device) for queue in queues)
 
     # ----- state ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

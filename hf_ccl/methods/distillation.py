@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -150,7 +150,11 @@ class TeacherConfig(MethodConfig):
     )
 
 
-class TeacherMethod(ContinualMethod):
+#: The config of a subclass (`TeacherMethod[ItsConfig]`).
+TeacherConfigT = TypeVar("TeacherConfigT", bound=TeacherConfig)
+
+
+class TeacherMethod(ContinualMethod[TeacherConfigT]):
     """Base of distillation methods: a frozen snapshot of the model as it was when the current task started.
 
     - `on_task_start`: task 0 has no teacher; task t > 0 snapshots `context.model` (CLIP_{t-1}). Methods that

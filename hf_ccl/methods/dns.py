@@ -55,14 +55,14 @@ import fnmatch
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from ..data.task import ModelPart
 from ..distributed import all_reduce_sum_
-from .base import ContinualMethod, MethodConfig, TaskContext
+from .base import ContinualMethod, MethodConfig, TaskContext, pair_modalities
 from .projection import (
     THRESHOLD_MODES,
     dual_null_space_projection,
@@ -204,9 +204,10 @@ def linear_layers(model: nn.Module, patterns: Iterable[str]) -> dict[str, nn.Lin
     return match_linears(linears, patterns, "'visual_projection', 'text_model.encoder.layers.*.mlp.fc2'")
 
 
-def head_layers(model: nn.Module, patterns: Iterable[str] | None) -> dict[str, nn.Linear]:
+def head_layers(model: ContinualDualEncoder, patterns: Iterable[str] | None) -> dict[str, nn.Linear]:
     """The learner heads (`learner_heads.heads.<modality>`) whose names match the patterns (None: all)."""
-    heads = {f"{HEADS_PREFIX}{modality}": head for modality, head in model.learner_heads.heads.items()}
+    heads = {f"{HEADS_PREFIX}{modality}": cast(nn.Linear, head)
+             for modality, head in model.require_learner_heads().heads.items()}
     examples = f"{sorted(heads)[:2]} on a model with learner heads; CLIP's own layers are frozen on pair tasks"
     return match_linears(heads, patterns or [f"{HEADS_PREFIX}*"], examples)
 
@@ -226,7 +227,7 @@ def _removed_fraction(matrix: torch.Tensor, projected: torch.Tensor) -> torch.Te
     return torch.where(norm > 0, removed / norm.clamp_min(torch.finfo(norm.dtype).tiny), 0.0).detach()
 
 
-def run_batch(model: nn.Module, batch: dict[str, Any]) -> None:
+def run_batch(model: ContinualDualEncoder, batch: dict[str, Any]) -> None:
     """One forward of a collated batch through the layers it feeds: a pair batch of cached features through the
     learner heads (`ContinualDualEncoder.forward`), images and texts through the towers (unnormalised)."""
     if "features_a" in batch:
@@ -239,11 +240,12 @@ def run_batch(model: nn.Module, batch: dict[str, Any]) -> None:
 
 
 @register_method
-class DNS(ContinualMethod):
+class DNS(ContinualMethod[DNSConfig]):
     """Dual-sided null-space gradient projection (Thm. 4, Eq. 8) on chosen linear layers of a CLIP or on the
     learner heads. See the module docstring."""
 
     name = "dns"
+    test_families = ("chinese_clip",)
     config_class = DNSConfig
     trains_pair_tasks = True  # on pair tasks: the learner heads, partnered by the task's pair
     roles = {"previous_model": "projects each update out of the feature subspaces of the previous tasks"}
@@ -269,11 +271,12 @@ class DNS(ContinualMethod):
         self._flags: dict[str, bool] | None = None
 
     # ----- layers and partners -----------------------------------------------------------------------------------
-    def layer_partners(self, model: nn.Module, task: Task | None) -> dict[str, str | None]:
+    def layer_partners(self, model: ContinualDualEncoder, task: Task | None) -> dict[str, str | None]:
         """This task's projected layers, each with the layer whose outputs give its P_out (None: one-sided): the
         `layers` of a CLIP with their fixed `partners`, or the current pair's heads, each the other's partner."""
+        partners: dict[str, str | None]
         if has_learner_heads(model):
-            partners = self._head_partners(model, task)
+            partners = dict(self._head_partners(model, task))
         else:
             layers = linear_layers(model, self.config.layers or CLIP_LAYERS)
             partners = {layer: self.config.partners.get(layer) for layer in layers}
@@ -281,14 +284,14 @@ class DNS(ContinualMethod):
             return dict.fromkeys(partners)
         return partners
 
-    def _head_partners(self, model: nn.Module, task: Task | None) -> dict[str, str]:
+    def _head_partners(self, model: ContinualDualEncoder, task: Task | None) -> dict[str, str]:
         """The chosen heads of the task's pair (a, b): {head a: head b, head b: head a} (spec §2.3 "any pair")."""
         if task is None or task.kind_spec.trains is not ModelPart.LEARNER_HEADS:
             kind = None if task is None else task.kind
             raise ValueError(f"dns on learner heads projects pair tasks (which train learner heads), got a task of "
                              f"kind {kind!r}")
         chosen = head_layers(model, self.config.layers)
-        head_a, head_b = (f"{HEADS_PREFIX}{modality}" for modality in task.modalities)
+        head_a, head_b = (f"{HEADS_PREFIX}{modality}" for modality in pair_modalities(task))
         return {layer: partner for layer, partner in ((head_a, head_b), (head_b, head_a)) if layer in chosen}
 
     def _dual(self, layer: str) -> bool:
@@ -354,8 +357,8 @@ class DNS(ContinualMethod):
         key = (layer, like.device, like.dtype)
         if key not in self._device_projectors:
             p_out, p_in = self.projectors[layer]
-            move = {"device": like.device, "dtype": like.dtype}
-            self._device_projectors[key] = (None if p_out is None else p_out.to(**move), p_in.to(**move))
+            self._device_projectors[key] = (None if p_out is None else p_out.to(like.device, like.dtype),
+                                            p_in.to(like.device, like.dtype))
         return self._device_projectors[key]
 
     def _project(self, layer: str, matrix: torch.Tensor) -> torch.Tensor:
@@ -371,7 +374,7 @@ class DNS(ContinualMethod):
         self._before_step = {}
         with torch.no_grad():
             for layer in self.projectors:
-                weight = model.get_submodule(layer).weight
+                weight = model.get_parameter(f"{layer}.weight")
                 if self.config.project == "update":
                     self._before_step[layer] = weight.detach().clone()
                 grad = weight.grad
@@ -385,7 +388,7 @@ class DNS(ContinualMethod):
         """`project="update"`: W ← W_old + proj(W − W_old), the step the optimizer made projected by Eq. (8)."""
         with torch.no_grad():
             for layer, before in self._before_step.items():
-                weight = model.get_submodule(layer).weight
+                weight = model.get_parameter(f"{layer}.weight")
                 update = weight.detach() - before
                 projected = self._project(layer, update)
                 self._update_removed[layer] = _removed_fraction(update, projected)
@@ -411,7 +414,8 @@ class DNS(ContinualMethod):
         model = context.model
         partners = self.layer_partners(model, context.task)
         names = dict.fromkeys([*partners, *(p for p in partners.values() if p is not None)])  # ordered, no repeats
-        grams = self.collect_second_moments(model, {name: model.get_submodule(name) for name in names}, context)
+        layers = {name: cast(nn.Linear, model.get_submodule(name)) for name in names}  # `layer_partners`' linears
+        grams = self.collect_second_moments(model, layers, context)
         seen_before = self.global_count
         for layer, partner in partners.items():
             gram_in, gram_out, rows = grams[layer]
@@ -435,7 +439,8 @@ class DNS(ContinualMethod):
         seen = seen_before if self.config.counts == "global" else counts[side]
         stored[side], counts[side] = merge_second_moment(stored.get(side), seen, gram, rows)
 
-    def collect_second_moments(self, model: nn.Module, modules: dict[str, nn.Linear], context: TaskContext) -> Grams:
+    def collect_second_moments(self, model: ContinualDualEncoder, modules: dict[str, nn.Linear], context: TaskContext
+                               ) -> Grams:
         """{layer: (Σ x xᵀ, Σ (Wx)(Wx)ᵀ, rows)} over the task's training data, summed over processes; inputs are
         the rows fed to each module (leading dimensions flattened), outputs bias-free (spec A17) in float64."""
         config = self.config

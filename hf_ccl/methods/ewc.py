@@ -86,10 +86,11 @@ class EWCConfig(QuadraticPenaltyConfig):
 
 
 @register_method
-class EWC(QuadraticPenaltyMethod):
+class EWC(QuadraticPenaltyMethod[EWCConfig]):
     """Online EWC: a Fisher-weighted pull towards the parameters at the end of the previous task."""
 
     name = "ewc"
+    test_families = ("siglip",)
     trains_pair_tasks = True  # on pair tasks: the trainable heads, with the pair loss (CMCL's baselines)
     config_class = EWCConfig
 

@@ -71,7 +71,7 @@ import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -81,7 +81,7 @@ from ..data.streaming import is_streaming
 from ..data.task import ModelPart
 from ..pair_features import FEATURE_COLUMNS, PairFeatureCollator
 from ..validation import ConfigError, check_range
-from .base import ContinualMethod, MethodConfig, TaskContext
+from .base import ContinualMethod, MethodConfig, TaskContext, pair_modalities
 from .gem_projection import agem_project, combine, flat_grad, gem_dual, gem_products, gram, write_flat_grad
 from .registry import register_method
 from .regularization import batch_contrastive_loss
@@ -281,13 +281,16 @@ def head_parameter_ids(model: nn.Module, modalities: Sequence[str]) -> set[int]:
 # ----------------------------------------------------------------------------------------------------------------
 # The shared base
 # ----------------------------------------------------------------------------------------------------------------
-class EpisodicMemoryMethod(ContinualMethod):
+#: The config of a subclass (`EpisodicMemoryMethod[ItsConfig]`).
+EpisodicMemoryConfigT = TypeVar("EpisodicMemoryConfigT", bound=EpisodicMemoryConfig)
+
+
+class EpisodicMemoryMethod(ContinualMethod[EpisodicMemoryConfigT]):
     """Base of GEM and A-GEM: one memory per finished task (indices, in the method state), the selected parameters,
     and the gradient of the contrastive loss on a memory batch, of a CLIP or of the learner heads (module
     docstring)."""
 
     config_class = EpisodicMemoryConfig
-    config: EpisodicMemoryConfig
     roles = {
         "previous_model": "constrains each step not to increase the loss on the memories of previous tasks",
         "gradient_constraint": "rewrites each gradient under constraints from an episodic memory",
@@ -389,7 +392,7 @@ class EpisodicMemoryMethod(ContinualMethod):
         return stream[memory.task_index]
 
     def constraining_memories(
-        self, model: nn.Module, context: TaskContext, params: Sequence[nn.Parameter]
+        self, model: ContinualDualEncoder, context: TaskContext, params: Sequence[nn.Parameter]
     ) -> list[TaskMemory]:
         """The past memories whose loss depends on `params`: all of them on a CLIP. On pair tasks a past pair that
         shares no head with `params` (the current pair's heads) has g_k = 0: no constraint, skipped."""
@@ -449,17 +452,17 @@ class EpisodicMemoryMethod(ContinualMethod):
         tokenizer = getattr(context.collator, "tokenizer", None)
         pad_id = getattr(tokenizer, "pad_token_id", None)
         side = getattr(tokenizer, "padding_side", "right")
-        batch = concat_padded(selected, 0 if pad_id is None else int(pad_id), side, trim=pads_to_longest(context))
+        batch: dict[str, Any] = concat_padded(selected, 0 if pad_id is None else int(pad_id), side, trim=pads_to_longest(context))
         if order is not None:
             batch = {k: v.index_select(0, order.to(v.device, non_blocking=True)) for k, v in batch.items()}
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         if pair:
-            batch["modality_a"], batch["modality_b"] = self.memory_task(context, parts[0][0]).modalities
+            batch["modality_a"], batch["modality_b"] = pair_modalities(self.memory_task(context, parts[0][0]))
         return batch
 
     def loss_gradient(
         self,
-        model: nn.Module,
+        model: ContinualDualEncoder,
         context: TaskContext,
         params: Sequence[nn.Parameter],
         batch: Mapping[str, Any],
@@ -473,7 +476,7 @@ class EpisodicMemoryMethod(ContinualMethod):
 
     def weighted_loss_gradient(
         self,
-        model: nn.Module,
+        model: ContinualDualEncoder,
         context: TaskContext,
         params: Sequence[nn.Parameter],
         batches: Sequence[tuple[Mapping[str, Any], float]],
@@ -487,8 +490,8 @@ class EpisodicMemoryMethod(ContinualMethod):
             for batch, weight in batches:
                 for chunk, share in batch_chunks(batch, size or batch_rows(batch), trim=pads_to_longest(context)):
                     loss = batch_contrastive_loss(model, in_dtype(chunk, dtype)).float() * (weight * share)
-                    grads = torch.autograd.grad(loss, list(params), materialize_grads=True)
-                    grads = [g.to_dense() if g.is_sparse else g for g in grads]
+                    grads = [g.to_dense() if g.is_sparse else g
+                             for g in torch.autograd.grad(loss, list(params), materialize_grads=True)]
                     if total:
                         torch._foreach_add_(total, grads)
                     else:
@@ -504,11 +507,11 @@ class EpisodicMemoryMethod(ContinualMethod):
         )
 
     # ----- compute accounting --------------------------------------------------------------------------------------
-    def rows_per_step(self, model: nn.Module, context: TaskContext, params: Sequence[nn.Parameter]) -> float:
+    def rows_per_step(self, model: ContinualDualEncoder, context: TaskContext, params: Sequence[nn.Parameter]) -> float:
         """Memory rows encoded and back-propagated per step while task `context.task_index` trains `params`."""
         raise NotImplementedError
 
-    def _start_step(self, model: nn.Module, context: TaskContext) -> tuple[list[nn.Parameter], torch.Tensor] | None:
+    def _start_step(self, model: ContinualDualEncoder, context: TaskContext) -> tuple[list[nn.Parameter], torch.Tensor] | None:
         """The selected parameters and their flat gradient g, or None when there is no memory yet."""
         if not self.past_memories(context):
             return None
@@ -539,7 +542,7 @@ class EpisodicMemoryMethod(ContinualMethod):
 # GEM
 # ----------------------------------------------------------------------------------------------------------------
 @register_method
-class GEM(EpisodicMemoryMethod):
+class GEM(EpisodicMemoryMethod[GEMConfig]):
     """GEM: project the gradient so that no past task's memory loss increases (Eqs. 10–13; module docstring).
 
     Metrics of the last step: `constraints` (past tasks whose memory loss depends on the constrained parameters:
@@ -549,6 +552,8 @@ class GEM(EpisodicMemoryMethod):
     alone)."""
 
     name = "gem"
+    test_options = {"memory_per_task": 16}  # a memory that fills on 64-example tasks
+    test_families = ("siglip2",)
     config_class = GEMConfig
     config: GEMConfig
 
@@ -561,11 +566,11 @@ class GEM(EpisodicMemoryMethod):
                               "training.max_grad_norm")
         return super().training_overrides(context, training)
 
-    def rows_per_step(self, model: nn.Module, context: TaskContext, params: Sequence[nn.Parameter]) -> float:
+    def rows_per_step(self, model: ContinualDualEncoder, context: TaskContext, params: Sequence[nn.Parameter]) -> float:
         return float(sum(len(m) for m in self.constraining_memories(model, context, params)))
 
     def memory_gradients(
-        self, model: nn.Module, context: TaskContext, params: Sequence[nn.Parameter]
+        self, model: ContinualDualEncoder, context: TaskContext, params: Sequence[nn.Parameter]
     ) -> tuple[list[TaskMemory], torch.Tensor]:
         """The constraining past memories (`constraining_memories`) and G [k, P]: row k the gradient of task k's
         memory loss (its whole memory, one batch) w.r.t. `params`, in their dtype."""
@@ -611,17 +616,19 @@ class GEM(EpisodicMemoryMethod):
 # A-GEM
 # ----------------------------------------------------------------------------------------------------------------
 @register_method
-class AGEM(EpisodicMemoryMethod):
+class AGEM(EpisodicMemoryMethod[AGEMConfig]):
     """A-GEM: one constraint, on the gradient of a random memory batch (Eq. 11; module docstring).
 
     Metrics of the last step: `projected` (1 when gᵀg_ref < 0), `grad_change` (‖g̃ − g‖ / ‖g‖), `ref_cosine`
     (cos(g, g_ref); 0 when g_ref = 0) and `nonfinite_grad`."""
 
     name = "agem"
+    test_options = {"memory_per_task": 16, "reference_batch_size": 8}  # a memory that fills on 64-example tasks
+    test_families = ("siglip",)
     config_class = AGEMConfig
     config: AGEMConfig
 
-    def rows_per_step(self, model: nn.Module, context: TaskContext, params: Sequence[nn.Parameter]) -> float:
+    def rows_per_step(self, model: ContinualDualEncoder, context: TaskContext, params: Sequence[nn.Parameter]) -> float:
         """The reference batch, less (on pair tasks) the expected rows of tasks sharing no head, which are skipped."""
         total = sum(len(m) for m in self.past_memories(context))
         used = sum(len(m) for m in self.constraining_memories(model, context, params))
@@ -648,7 +655,7 @@ class AGEM(EpisodicMemoryMethod):
         return parts, order
 
     def reference_gradient(
-        self, model: nn.Module, context: TaskContext, params: Sequence[nn.Parameter]
+        self, model: ContinualDualEncoder, context: TaskContext, params: Sequence[nn.Parameter]
     ) -> torch.Tensor:
         """g_ref: the gradient of the contrastive loss on this step's memory batch w.r.t. `params` (on pair tasks,
         of Σ_k (n_k / n) L_k over the tasks drawn from: `pair_reference_gradient`)."""
@@ -660,7 +667,7 @@ class AGEM(EpisodicMemoryMethod):
 
     def pair_reference_gradient(
         self,
-        model: nn.Module,
+        model: ContinualDualEncoder,
         context: TaskContext,
         params: Sequence[nn.Parameter],
         parts: Sequence[tuple[TaskMemory, torch.Tensor]],

@@ -23,10 +23,11 @@ class JointConfig(MethodConfig):
 
 
 @register_method
-class Joint(ContinualMethod):
+class Joint(ContinualMethod[JointConfig]):
     """Train each task on every task's data seen so far. Other methods' transforms apply after this one."""
 
     name = "joint"
+    same_step_as = "finetune"
     config_class = JointConfig
     trains_on_past_tasks = True
     roles = {"training_data": "trains each task on the data of every task so far"}

@@ -27,7 +27,7 @@ import torch
 
 from ..data.task import ModelPart
 from ..heads import SIMILARITIES, LearnerHeads
-from .base import ContinualMethod, MethodConfig, TaskContext
+from .base import ContinualMethod, MethodConfig, TaskContext, pair_modalities
 from .registry import register_method
 
 
@@ -58,14 +58,17 @@ class LearnerHeadsConfig(MethodConfig):
 
     @property
     def fold(self) -> tuple[str, str] | None:
-        return None if self.fold_image_modality is None else (self.fold_image_modality, self.fold_text_modality)
+        if self.fold_image_modality is None or self.fold_text_modality is None:  # both or neither (checked above)
+            return None
+        return self.fold_image_modality, self.fold_text_modality
 
 
 @register_method
-class LearnerHeadsMethod(ContinualMethod):
+class LearnerHeadsMethod(ContinualMethod[LearnerHeadsConfig]):
     """Per-modality learner heads on a frozen CLIP for pair streams (see the module docstring)."""
 
     name = "learner_heads"
+    test_families = ("chinese_clip",)
     config_class = LearnerHeadsConfig
     trains_pair_tasks = True
     attaches = ModelPart.LEARNER_HEADS
@@ -96,19 +99,19 @@ class LearnerHeadsMethod(ContinualMethod):
 
     def on_task_start(self, context: TaskContext) -> None:
         model = context.model
-        if self.heads is None:
-            self._build(model, context.stream.modalities)
+        heads = self.heads if self.heads is not None else self._build(model, context.stream.modalities)
+        visual, text = model.get_parameter("visual_projection.weight"), model.get_parameter("text_projection.weight")
         with torch.no_grad():  # a resumed model holds the folded projections: train on the frozen prior's
-            model.visual_projection.weight.copy_(self.base_projections["visual_projection"])
-            model.text_projection.weight.copy_(self.base_projections["text_projection"])
+            visual.copy_(self.base_projections["visual_projection"])
+            text.copy_(self.base_projections["text_projection"])
         for modality in context.stream.modalities:
-            self.heads.ensure(modality)
-        self.heads.to(device=model.visual_projection.weight.device, dtype=model.visual_projection.weight.dtype)
-        model.learner_heads = self.heads
+            heads.ensure(modality)
+        heads.to(device=visual.device, dtype=visual.dtype)
+        model.learner_heads = heads
         model.requires_grad_(False)
-        self.heads.train_only(context.task.modalities)
+        heads.train_only(pair_modalities(context.task))
 
-    def _build(self, model: Any, modalities: list[str]) -> None:
+    def _build(self, model: Any, modalities: list[str]) -> LearnerHeads:
         saved, self._saved = self._saved, None
         temperature = self.config.temperature
         if saved is not None:
@@ -127,10 +130,13 @@ class LearnerHeadsMethod(ContinualMethod):
             self.heads.load_state_dict(saved["heads"])
             self.heads.snapshots = dict(saved["snapshots"])
             self.base_projections = dict(saved["base_projections"])
+        return self.heads
 
     def on_task_end(self, context: TaskContext) -> None:
         """Keep the heads as the task left them (drift); the pair's heads stay trainable for the task-end hooks of
         the methods after this one (EWC's Fisher covers the parameters that trained)."""
+        if self.heads is None:
+            raise RuntimeError("learner_heads: on_task_end before on_task_start")
         self.heads.snapshot(context.task.name)
 
     def state_dict(self) -> dict[str, Any]:

@@ -46,6 +46,7 @@ from .trainable import freeze_base, requires_grad_flags, restore_flags
 
 if TYPE_CHECKING:
     from peft import LoraConfig
+    from peft.tuners.tuners_utils import BaseTunerLayer
 
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,13 @@ ADAPTERS_DIR = "adapters"
 #: The key prefix of a PeftModel's saved adapter weights (`PeftModel.from_pretrained` expects it).
 PEFT_PREFIX = "base_model.model."
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def run_folder(context: TaskContext) -> Path:
+    """The run's output folder, where task checkpoints and saved adapters live."""
+    if context.output_dir is None:
+        raise ValueError("lora needs the run's output_dir (its task checkpoints hold the base models)")
+    return Path(context.output_dir)
 
 
 def adapter_name(task_index: int) -> str:
@@ -129,7 +137,7 @@ class LoRAMethodConfig(MethodConfig):
 
         return LoraConfig(
             r=self.r,
-            lora_alpha=self.alpha,
+            lora_alpha=self.alpha,  # type: ignore[arg-type]  # peft annotates it int; it only divides it by r
             lora_dropout=self.dropout,
             target_modules=target_module_regex(self.towers, self.target_modules),
             bias="none",
@@ -155,7 +163,7 @@ def inject_lora(model: nn.Module, peft_config: LoraConfig, name: str = "default"
     return injected
 
 
-def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+def lora_layers(model: nn.Module) -> dict[str, BaseTunerLayer]:
     """The PEFT tuner layers in `model`, by module name."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
@@ -228,10 +236,11 @@ def load_adapter_folder(folder: str | Path) -> tuple[LoraConfig, dict[str, torch
 # The method
 # ----------------------------------------------------------------------------------------------------------------
 @register_method
-class LoRA(ContinualMethod):
+class LoRA(ContinualMethod[LoRAMethodConfig]):
     """A fresh LoRA adapter per task, merged into the base weights after the task (see the module docstring)."""
 
     name = "lora"
+    test_families = ("altclip",)
     config_class = LoRAMethodConfig
     roles = {
         "previous_model": "adapts the previous task's model",
@@ -277,7 +286,7 @@ class LoRA(ContinualMethod):
         if index == 0:
             base = getattr(model.config, "_name_or_path", None) or None
         else:
-            base = str(Path(context.output_dir) / f"task-{index - 1}")
+            base = str(run_folder(context) / f"task-{index - 1}")
         self.base_models[index] = base
         inject_lora(model, self.peft_config(index), adapter_name(index))
         freeze_base(model, self.config.trainable, is_own=lambda name: ".lora_" in name)
@@ -290,7 +299,7 @@ class LoRA(ContinualMethod):
         merge_lora(model, name)
         restore_flags(model, self._flags)
         if self.config.save_adapters and is_main_process():
-            folder = Path(context.output_dir) / ADAPTERS_DIR / name
+            folder = run_folder(context) / ADAPTERS_DIR / name
             save_adapter_folder(folder, self.peft_config(index), self.adapters[index])
 
     def state_dict(self) -> dict[str, Any]:

@@ -84,13 +84,14 @@ def lwf_kl(
 
 
 @register_method
-class LwF(TeacherMethod):
+class LwF(TeacherMethod[LwFConfig]):
     """Learning without Forgetting on the in-batch similarity matrix (see the module docstring).
 
     Loss term `kl` = alpha * L_LwF on tasks t > 0; no teacher and no term on task 0.
     """
 
     name = "lwf"
+    same_step_as = "modx"
     config_class = LwFConfig
 
     def loss_terms(
@@ -105,7 +106,10 @@ class LwF(TeacherMethod):
         old = self.teacher_similarity(model, inputs)
         if self.config.logits == "scaled":  # each model's own contrastive logits
             old = self.teacher.model.logit_scale.detach().float().exp() * old
-            new = outputs.global_logits_per_image.float()  # exp(logit_scale) * M_t, with grad to the scale
+            logits = outputs.global_logits_per_image  # exp(logit_scale) * M_t, with grad to the scale
+            if logits is None:
+                raise ValueError("lwf: the model output holds no global logits (a features_only forward's)")
+            new = logits.float()
         else:
             new = student_similarity(outputs)
         loss = lwf_kl(old, new, self.config.directions, self.config.temperature, self.config.reduction)

@@ -73,10 +73,12 @@ class MASConfig(QuadraticPenaltyConfig):
 
 
 @register_method
-class MAS(QuadraticPenaltyMethod):
+class MAS(QuadraticPenaltyMethod[MASConfig]):
     """Memory Aware Synapses: importance = sensitivity of the embeddings' squared norm to each parameter."""
 
     name = "mas"
+    test_options = {"importance_batch_size": 8, "importance_max_batches": 1}  # the importance pass (a backward pass per example) on 8 examples
+    same_step_as = "ewc"
     trains_pair_tasks = True  # on pair tasks: the trainable heads, with the pair loss (CMCL's baselines)
     config_class = MASConfig
 

@@ -143,7 +143,7 @@ def modx_kl(
 
 
 @register_method
-class ModX(TeacherMethod):
+class ModX(TeacherMethod[ModXConfig]):
     """Mod-X (Eq. 1-5): selective KL distillation of the previous task's in-batch similarity matrix.
 
     Loss term `kl` = alpha * L_KL (task t > 0 only). `metrics()` gives the fraction of rows Eq. 3 kept at the
@@ -151,6 +151,7 @@ class ModX(TeacherMethod):
     """
 
     name = "modx"
+    test_families = ("siglip",)
     config_class = ModXConfig
 
     def __init__(self, config: ModXConfig | dict[str, Any] | None = None):

@@ -99,12 +99,13 @@ import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 import torch
 from torch import nn
 
 from ..distributed import all_reduce_sum_
+from ..modeling import ContinualDualEncoder
 from ..validation import ConfigError, check_range
 from .base import ContinualMethod, MethodConfig, TaskContext
 from .loading import CheckpointLoader, checkpoint_folder
@@ -114,7 +115,7 @@ from .state import STATE_JSON, load_method_states
 from .trainable import requires_grad_flags, restore_flags
 
 if TYPE_CHECKING:
-    from ..modeling import ContinualDualEncoder, ContinualDualEncoderOutput
+    from ..modeling import ContinualDualEncoderOutput
 
 logger = logging.getLogger(__name__)
 
@@ -208,8 +209,7 @@ def noisy_top_k_gating(
 
         clean = project(w_gate)
         experts = clean.shape[-1]
-        noisy = noisy and w_noise is not None
-        if noisy:
+        if noisy and w_noise is not None:
             noise_std = nn.functional.softplus(project(w_noise)) + NOISE_EPSILON
             logits = clean + torch.randn_like(clean) * noise_std
         else:
@@ -337,6 +337,7 @@ class MoELayer(nn.Module):
             for _ in range(config.num_experts))
         self.routers = nn.ParameterList()  # router_list: W_g^t [D, E]
         self.noise = nn.ParameterList()  # w_noise_list: W_noise^t [D, E]
+        self.frozen: torch.Tensor  # a buffer: which experts are frozen
         self.register_buffer("frozen", torch.zeros(config.num_experts, dtype=torch.bool))
         self.state = state
         #: Samples that chose each expert in this task's training forwards, over every process (`step_counts`, this
@@ -350,10 +351,15 @@ class MoELayer(nn.Module):
     def num_experts(self) -> int:
         return len(self.experts)
 
+    @property
+    def expert_adapters(self) -> list[ExpertAdapter]:
+        """`experts` (an `nn.ModuleList` of `ExpertAdapter`s), typed."""
+        return cast("list[ExpertAdapter]", list(self.experts))
+
     def add_router(self) -> None:
         """A zero-initialised router (and noise weights) for the next task (`model.py` l. 337-338)."""
         reference = self.frozen.device
-        dtype = self.experts[0].down_proj.weight.dtype
+        dtype = self.expert_adapters[0].down_proj.weight.dtype
         for holder in (self.routers, self.noise):
             holder.append(nn.Parameter(torch.zeros(self.dim, self.num_experts, device=reference, dtype=dtype)))
 
@@ -389,7 +395,7 @@ class MoELayer(nn.Module):
     def mixture(self, x: torch.Tensor, gating: Gating) -> torch.Tensor:
         """sum_i w_i E_i(x) [B, L, D]: each sample through its top-k experts only (their weights gathered per
         sample: no host synchronisation, and every expert gets a (zero) gradient, as DDP expects)."""
-        experts = self.experts
+        experts = self.expert_adapters
         index, gates = gating.indices, gating.top_gates
         down_w = torch.stack([e.down_proj.weight for e in experts])[index]  # [B, k, r, D]
         down_b = torch.stack([e.down_proj.bias for e in experts])[index]  # [B, k, r]
@@ -433,17 +439,22 @@ class AutoEncoder(nn.Module):
         self.encoder = nn.Sequential(nn.Linear(dim, code_dim), nn.ReLU())
         self.decoder = nn.Sequential(nn.Linear(code_dim, dim), nn.Sigmoid())
         with torch.no_grad():  # nn.Linear's own init, from `generator`
-            for linear in (self.encoder[0], self.decoder[0]):
+            for linear in (self.encoder_linear, cast(nn.Linear, self.decoder[0])):
                 nn.init.kaiming_uniform_(linear.weight, a=math.sqrt(5), generator=generator)
                 bound = 1 / math.sqrt(linear.in_features)
                 nn.init.uniform_(linear.bias, -bound, bound, generator=generator)
+
+    @property
+    def encoder_linear(self) -> nn.Linear:
+        """The encoder's linear layer (`encoder[0]`)."""
+        return cast(nn.Linear, self.encoder[0])
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return self.decoder(self.encoder(features))
 
     def errors(self, features: torch.Tensor) -> torch.Tensor:
         """Per-row mean squared reconstruction error [B] (the code's `encoder_criterion`, per row)."""
-        features = features.to(self.encoder[0].weight.dtype)
+        features = features.to(self.encoder_linear.weight.dtype)
         return (self(features) - features).pow(2).mean(-1)
 
 
@@ -453,19 +464,32 @@ class MoEAdapterBank(nn.Module):
 
     def __init__(self, config: MoEAdaptersConfig):
         super().__init__()
+        if config.eval_routing is None:
+            raise ValueError("MoEAdaptersConfig.eval_routing is resolved in __post_init__, not None")
         self.state = RoutingState(config.eval_routing)
         self.state.record_balance = config.balance_weight > 0
         self.layers = nn.ModuleDict()
         self.autoencoders = nn.ModuleList()
+        self.thresholds: torch.Tensor  # a buffer: each autoencoder's DDAS threshold
         self.register_buffer("thresholds", torch.zeros(0))
         self.ddas_threshold = config.ddas_threshold
         self.ddas_selection = config.ddas_selection
         self._image_projection: tuple[nn.Module | None, ...] = (None,)
 
     @property
+    def moe_layers(self) -> dict[str, MoELayer]:
+        """`layers` (an `nn.ModuleDict` of `MoELayer`s by key), typed."""
+        return cast("dict[str, MoELayer]", dict(self.layers.items()))
+
+    @property
+    def ddas_autoencoders(self) -> list[AutoEncoder]:
+        """`autoencoders` (an `nn.ModuleList` of `AutoEncoder`s), typed."""
+        return cast("list[AutoEncoder]", list(self.autoencoders))
+
+    @property
     def num_routes(self) -> int:
         """How many task routers each layer has."""
-        return len(next(iter(self.layers.values())).routers) if len(self.layers) else 0
+        return len(next(iter(self.moe_layers.values())).routers) if len(self.layers) else 0
 
     @property
     def _active_adapter(self) -> str:
@@ -486,7 +510,7 @@ class MoEAdapterBank(nn.Module):
         if not len(self.autoencoders):
             raise ValueError("DDAS has no autoencoder yet: one is trained after each task (`ddas: true`)")
         features = ddas_features(embeddings)
-        errors = torch.stack([ae.errors(features).float() for ae in self.autoencoders], dim=1)  # [B, T]
+        errors = torch.stack([ae.errors(features).float() for ae in self.ddas_autoencoders], dim=1)  # [B, T]
         if self.ddas_selection == "batch":
             errors = errors.mean(0, keepdim=True)
         best_error, best = errors.min(dim=1)
@@ -534,7 +558,7 @@ class MoEAdapterBank(nn.Module):
     # ----- structure ----------------------------------------------------------------------------------------
     def grow(self, num_routes: int, num_autoencoders: int, code_dim: int, feature_dim: int | None) -> None:
         """Add routers and (empty) autoencoders up to the given counts (before loading a saved state)."""
-        for layer in self.layers.values():
+        for layer in self.moe_layers.values():
             while len(layer.routers) < num_routes:
                 layer.add_router()
         if num_autoencoders > len(self.autoencoders):
@@ -548,7 +572,7 @@ class MoEAdapterBank(nn.Module):
 def fold_step_counts(bank: MoEAdapterBank) -> None:
     """Add every process's expert choices since the last optimizer step to each layer's `counts` (one all-reduce),
     so that the counts, and the experts they freeze, are the same on every process."""
-    layers = list(bank.layers.values())
+    layers = list(bank.moe_layers.values())
     if not layers:
         return
     device = layers[0].frozen.device
@@ -633,7 +657,7 @@ def use_routes(model: nn.Module, routes: int | torch.Tensor | None) -> Iterator[
 
 
 @torch.no_grad()
-def select_routes(model: nn.Module, image_inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def select_routes(model: ContinualDualEncoder, image_inputs: Mapping[str, Any]) -> torch.Tensor:
     """DDAS (`evaluation.py` l. 56-71): per image of `image_inputs` (what `model.embed_images(**...)` takes), the
     index of the task whose autoencoder reconstructs the image's frozen embedding best, or -1 (the frozen model)
     when that error exceeds the threshold. A LongTensor [B] on the images' device, for `use_routes`."""
@@ -642,7 +666,7 @@ def select_routes(model: nn.Module, image_inputs: Mapping[str, torch.Tensor]) ->
     model.eval()
     try:
         with use_routes(model, -1):
-            embeddings = model.embed_images(**image_inputs)  # type: ignore[operator]
+            embeddings = model.embed_images(**image_inputs)
     finally:
         model.train(was_training)
     return bank.select(embeddings)
@@ -733,7 +757,14 @@ class MoEAdaptersConfig(MethodConfig):
             raise ConfigError("eval_routing 'ddas' needs ddas: true", "eval_routing")
 
 
-def check_layers(model: nn.Module, towers: list[str]) -> dict[str, nn.ModuleList]:
+class EncoderLayer(Protocol):
+    """A CLIP-style pre-norm encoder layer, as the adapters hook it (`check_layers` checks each)."""
+
+    layer_norm2: nn.LayerNorm
+    mlp: nn.Module
+
+
+def check_layers(model: nn.Module, towers: list[str]) -> dict[str, list[EncoderLayer]]:
     """Each tower's encoder layers, checked to have the pre-norm `layer_norm2` -> `mlp` structure."""
     family = getattr(model, "family", type(model).__name__)
     found = {}
@@ -747,7 +778,7 @@ def check_layers(model: nn.Module, towers: list[str]) -> dict[str, nn.ModuleList
                 isinstance(getattr(layer, "mlp", None), nn.Module) for layer in layers):
             raise ValueError(f"{NAME}: the {family} {tower} tower has no CLIP-style encoder layers "
                              f"({TOWER_LAYERS[tower]}.<i>.layer_norm2 and .mlp) for the parallel MoE adapters")
-        found[tower] = layers
+        found[tower] = [cast(EncoderLayer, layer) for layer in layers]
     return found
 
 
@@ -786,13 +817,13 @@ def install_moe_adapters(model: nn.Module, config: MoEAdaptersConfig, seed: int 
             layer.mlp.register_forward_hook(moe.add_mixture)
     vision = getattr(model, "vision_model", None)
     if vision is not None:
-        projection = model.projection("image") if hasattr(model, "projection") else None
+        projection = model.projection("image") if isinstance(model, ContinualDualEncoder) else None
         bank._image_projection = (projection,)
         vision.register_forward_pre_hook(bank.ddas_pre_hook, with_kwargs=True)
         vision.register_forward_hook(bank.ddas_post_hook)
     reference = next(next(iter(towers.values()))[0].mlp.parameters())
     bank.to(device=reference.device, dtype=reference.dtype)
-    for moe in bank.layers.values():
+    for moe in bank.moe_layers.values():
         moe.counts, moe.step_counts = moe.counts.to(reference.device), moe.step_counts.to(reference.device)
     setattr(model, BANK, bank)
     _ignore_on_save(model)
@@ -805,7 +836,8 @@ def _ignore_on_save(model: nn.Module) -> None:
     ignored = {key for key in (getattr(model, "_keys_to_ignore_on_save", None) or ()) if not key.startswith(BANK + ".")}
     if bank is not None:
         ignored |= {f"{BANK}.{key}" for key in bank.state_dict()}
-    model._keys_to_ignore_on_save = ignored
+    # torch types nn.Module.__setattr__'s value as Tensor | Module
+    setattr(model, "_keys_to_ignore_on_save", ignored)  # noqa: B010
 
 
 def parameter_counts(model: nn.Module) -> dict[str, int]:
@@ -819,10 +851,13 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
 
 
 @register_method
-class MoEAdapters(ContinualMethod):
+class MoEAdapters(ContinualMethod[MoEAdaptersConfig]):
     """Mixture-of-experts adapters with task routers, activate-freeze and DDAS (see the module docstring)."""
 
     name = NAME
+    test_options = {"num_experts": 4, "bottleneck": 4, "router_noise": False, "dropout": 0.0, "ddas_steps": 20,
+                    "ddas_code_dim": 8}  # a few small experts, a short DDAS autoencoder
+    test_families = ("siglip2",)
     config_class = MoEAdaptersConfig
     roles = {
         "previous_model": "adds its experts and a router per task to the previous task's model",
@@ -882,12 +917,12 @@ class MoEAdapters(ContinualMethod):
         bank.state.current_task = index
         _ignore_on_save(model)
         model.requires_grad_(False)
-        for moe in bank.layers.values():
+        for moe in bank.moe_layers.values():
             moe.counts = torch.zeros_like(moe.counts)
             moe.step_counts = torch.zeros_like(moe.step_counts)
             moe.routers[index].requires_grad_(True)
             moe.noise[index].requires_grad_(self.config.router_noise)
-            for expert, frozen in zip(moe.experts, moe.frozen.tolist(), strict=True):
+            for expert, frozen in zip(moe.expert_adapters, moe.frozen.tolist(), strict=True):
                 expert.requires_grad_(not frozen)
         self.counts = parameter_counts(model)
         logger.info("%s, task %d: %d trainable parameters (%.3f%% of the %d of the base model; %d in the adapters, "
@@ -916,7 +951,7 @@ class MoEAdapters(ContinualMethod):
         records, state.records = state.records, []
         if not records:
             return {"balance": bank.thresholds.new_zeros((), dtype=torch.float32)}
-        live: dict[str, list[torch.Tensor]] = {}  # per layer: summed importance and load, in the graph
+        live: dict[str, list[Any]] = {}  # per layer: summed importance and load, in the graph
         detached: dict[str, list[Any]] = {}  # per layer: summed importance and load without graph, and the count
         for key, importance, load, differentiable in records:
             if differentiable:
@@ -927,12 +962,12 @@ class MoEAdapters(ContinualMethod):
             sums[0], sums[1] = sums[0] + importance, sums[1] + load
         leaves = {key: (importance.detach().requires_grad_(True), load.detach().requires_grad_(True))
                   for key, (importance, load, _) in detached.items()}
-        total = 0
+        losses = []
         for key in {**live, **leaves}:
             importance = live.get(key, [0, 0])[0] + (leaves[key][0] if key in leaves else 0)
             load = live.get(key, [0, 0])[1] + (leaves[key][1] if key in leaves else 0)
-            total = total + balance_loss(importance, load)
-        term = self.config.balance_weight * total
+            losses.append(balance_loss(importance, load))
+        term = self.config.balance_weight * sum(losses[1:], losses[0])  # every record's layer has a loss
         if leaves and torch.is_grad_enabled():
             flat = [tensor for pair in leaves.values() for tensor in pair]
             grads = torch.autograd.grad(term, flat, retain_graph=True, allow_unused=True)
@@ -959,7 +994,7 @@ class MoEAdapters(ContinualMethod):
         bank.state.pending.clear()
         fold_step_counts(bank)
         if self.config.freeze_top:
-            for moe in bank.layers.values():
+            for moe in bank.moe_layers.values():
                 if int(moe.counts.sum()) == 0:
                     continue
                 order = torch.argsort(moe.counts, descending=True, stable=True)[: self.config.freeze_top]
@@ -991,10 +1026,10 @@ class MoEAdapters(ContinualMethod):
         bank = self._bank
         if bank is None:
             return dict(self._state) if self._state is not None else {}
-        feature_dim = bank.autoencoders[0].encoder[0].in_features if len(bank.autoencoders) else None
+        feature_dim = bank.ddas_autoencoders[0].encoder_linear.in_features if len(bank.autoencoders) else None
         return {
             "bank": {key: tensor.detach().to("cpu", copy=True) for key, tensor in bank.state_dict().items()},
-            "counts": {key: moe.counts.detach().to("cpu", copy=True) for key, moe in bank.layers.items()},
+            "counts": {key: moe.counts.detach().to("cpu", copy=True) for key, moe in bank.moe_layers.items()},
             "num_routes": bank.num_routes,
             "num_autoencoders": len(bank.autoencoders),
             "feature_dim": feature_dim,
@@ -1021,7 +1056,7 @@ class MoEAdapters(ContinualMethod):
         bank.thresholds = bank.thresholds.new_zeros(tensors["thresholds"].shape)
         bank.load_state_dict({key: value for key, value in tensors.items()}, strict=True)
         for key, counts in state.get("counts", {}).items():
-            moe = bank.layers[key]
+            moe = bank.moe_layers[key]
             moe.counts = counts.to(device=moe.frozen.device, dtype=torch.int64).clone()
             moe.step_counts = torch.zeros_like(moe.counts)
         bank.state.current_task = int(state.get("current_task", 0))

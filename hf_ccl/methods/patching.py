@@ -201,10 +201,12 @@ class PatchingConfig(MethodConfig):
 
 
 @register_method
-class Patching(ContinualMethod):
+class Patching(ContinualMethod[PatchingConfig]):
     """Sequential patching: train from the last patched model, deploy its interpolation with the fine-tuned one."""
 
     name = "patching"
+    test_options = {"validation_size": 4}  # a whole batch of 64 still trains on 68-example tasks
+    same_step_as = "finetune"
     config_class = PatchingConfig
     roles = {"previous_model": "interpolates each task's fine-tuned model with the previous task's"}
 
@@ -226,7 +228,8 @@ class Patching(ContinualMethod):
     def after_training(self, context: TaskContext) -> None:
         """Deploy θ_{t-1} + α (θ_t − θ_{t-1}) with the α that scores best on the held-out rows (in place)."""
         index = context.task_index
-        if index == 0 or self._previous is None:
+        previous = self._previous
+        if index == 0 or previous is None:
             self.alphas[index], self.scores[index] = 1.0, []
             return
         model = context.model
@@ -235,13 +238,13 @@ class Patching(ContinualMethod):
         tasks = [self.validation.task(context, j) for j in steps]
 
         def score(alpha: float) -> float:
-            model.load_state_dict(interpolate_state_dicts(self._previous, finetuned, alpha))
+            model.load_state_dict(interpolate_state_dicts(previous, finetuned, alpha))
             return self.validation_score(model, tasks, context)
 
         # The main process searches (as the loop evaluates there) and every process deploys its alpha.
         found = select_alpha(self.config.alphas, score) if is_main_process() else None
         alpha, scores = _from_main_process(found)
-        model.load_state_dict(interpolate_state_dicts(self._previous, finetuned, alpha))
+        model.load_state_dict(interpolate_state_dicts(previous, finetuned, alpha))
         self.alphas[index], self.scores[index] = alpha, scores
         self._previous = None
         logger.info("Patching, task %d (%s): alpha = %.2f; validation scores %s", index, context.task.name, alpha,

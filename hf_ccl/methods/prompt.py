@@ -52,6 +52,8 @@ from .state import STATE_JSON, load_method_states
 from .trainable import freeze_base, requires_grad_flags, restore_flags
 
 if TYPE_CHECKING:
+    from transformers import CLIPTextModel
+
     from ..modeling import ContinualCLIPModel
 
 SCHEDULES = ("per_task", "shared")
@@ -106,12 +108,14 @@ class TextPrompt(nn.Module):
         return self.ctx.shape[0]
 
     def forward(
-        self, text_model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+        self, text_model: CLIPTextModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
     ) -> BaseModelOutputWithPooling:
         from transformers.masking_utils import create_causal_mask
 
         n = self.n_ctx
         eos = text_model.eos_token_id
+        if not isinstance(eos, int):
+            raise ValueError(f"the text tower pools at one EOS id, it has {eos!r}: call model.align_special_tokens")
         input_ids = input_ids.view(-1, input_ids.shape[-1])
         room = text_model.embeddings.position_embedding.num_embeddings - n
         input_ids, attention_mask = fit_length(input_ids, attention_mask, room, eos)
@@ -173,10 +177,11 @@ class PromptConfig(MethodConfig):
 
 
 @register_method
-class PromptLearning(ContinualMethod):
+class PromptLearning(ContinualMethod[PromptConfig]):
     """CoOp context vectors on the text tower, the rest of CLIP frozen (see the module docstring)."""
 
     name = "prompt"
+    same_step_as = "lora"
     config_class = PromptConfig
     roles = {
         "previous_model": "learns a prompt for the previous task's model",
@@ -241,9 +246,10 @@ class PromptLearning(ContinualMethod):
 
     def after_training(self, context: TaskContext) -> None:
         model = context.model
-        if model.text_prompt is None:
+        prompt = model.text_prompt
+        if not isinstance(prompt, TextPrompt):
             raise ValueError("The model lost its text prompt during training")
-        self.prompts[context.task_index] = model.text_prompt.ctx.detach().float().cpu().clone()
+        self.prompts[context.task_index] = prompt.ctx.detach().float().cpu().clone()
         self.deployed = context.task_index
         self._training = None
         restore_flags(model, self._flags)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -146,6 +146,7 @@ def accumulate_importance(
         current = new.get(name)
         previous = old.get(name)
         if current is None:
+            assert previous is not None  # the name is in one of the two
             previous = previous.detach()
             merged[name] = gamma * previous if rule == "sum" else alpha * previous
             continue
@@ -266,7 +267,7 @@ class QuadraticPenalty:
         missing = sorted(set(self.importance) - set(named))
         if missing:
             raise ValueError(f"The model has no parameter(s) {missing[:5]} that the penalty covers")
-        params = [named[name] for name in self.importance]
+        params: list[torch.Tensor] = [named[name] for name in self.importance]
         key = tuple((id(p), p.device, p.dtype, p.shape) for p in params)
         if self._aligned_cache is None or self._aligned_cache.key != key:
             token_name = token_embedding_name(model) if self.sparse_token_rows else None
@@ -300,7 +301,11 @@ class QuadraticPenalty:
         self._aligned_cache = None
 
 
-class QuadraticPenaltyMethod(ContinualMethod):
+#: The config of a subclass (`QuadraticPenaltyMethod[ItsConfig]`).
+QuadraticPenaltyConfigT = TypeVar("QuadraticPenaltyConfigT", bound=QuadraticPenaltyConfig)
+
+
+class QuadraticPenaltyMethod(ContinualMethod[QuadraticPenaltyConfigT]):
     """Base of EWC, SI and MAS: the penalty as a loss term, the parameter selection, the saved state.
 
     Subclasses define `strength` (the coefficient s in front of Σ Ω (θ − θ*)²) and update the importance at task
@@ -484,8 +489,8 @@ def mean_gradient_statistic(
         for batch in batches:
             batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
             for unit in split_examples(batch) if per_example else (batch,):
-                grads = torch.autograd.grad(objective(model, unit), tensors, materialize_grads=True)
-                grads = [g.float() for g in grads]
+                grads = [g.float() for g in torch.autograd.grad(objective(model, unit), tensors,
+                                                                materialize_grads=True)]
                 if statistic == "square":
                     torch._foreach_addcmul_(sums, grads, grads)
                 else:

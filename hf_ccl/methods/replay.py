@@ -55,7 +55,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
@@ -66,7 +66,7 @@ from ..data.buffer import ReservoirBuffer
 from ..distributed import all_gather_no_grad
 from ..heads import pair_contrastive_loss, pair_logits
 from ..validation import check_range
-from .base import ContinualMethod, MethodConfig, TaskContext
+from .base import ContinualMethod, MethodConfig, TaskContext, pair_modalities
 from .registry import register_method
 
 if TYPE_CHECKING:
@@ -87,11 +87,10 @@ SETTING_DEFAULTS: dict[str, dict[str, float]] = {
 # Configs
 # ----------------------------------------------------------------------------------------------------------------
 @dataclass
-class ERConfig(MethodConfig):
-    buffer_size: int = field(
-        default=10_000,
-        metadata={"help": "Reservoir budget in training examples (image-text pairs); CTP: 10,000 (~1% of P9D)."},
-    )
+class ReservoirConfig(MethodConfig):
+    """What ER and the DERs share (the configs `ExperienceReplay` takes): each declares its own `buffer_size`."""
+
+    buffer_size: int | None = field(default=None, metadata={"help": "Reservoir budget in training examples."})
     seed: int = field(default=0, metadata={"help": "Buffer seed, combined with the run's per-task seed."})
 
     def __post_init__(self) -> None:
@@ -99,7 +98,15 @@ class ERConfig(MethodConfig):
 
 
 @dataclass
-class DERConfig(ERConfig):
+class ERConfig(ReservoirConfig):
+    buffer_size: int = field(
+        default=10_000,
+        metadata={"help": "Reservoir budget in training examples (image-text pairs); CTP: 10,000 (~1% of P9D)."},
+    )
+
+
+@dataclass
+class DERConfig(ReservoirConfig):
     buffer_size: int | None = field(
         default=None,
         metadata={"help": "Reservoir budget in training examples; None: 8,000 image-text pairs on CLIP tasks "
@@ -144,22 +151,31 @@ class DERPPConfig(DERConfig):
 # ----------------------------------------------------------------------------------------------------------------
 # ER
 # ----------------------------------------------------------------------------------------------------------------
+#: The config of a subclass of ER (`ExperienceReplay[ItsConfig]`) and of DER.
+ERConfigT = TypeVar("ERConfigT", bound=ReservoirConfig)
+DERConfigT = TypeVar("DERConfigT", bound=DERConfig)
+
+
 @register_method
-class ExperienceReplay(ContinualMethod):
+class ExperienceReplay(ContinualMethod[ERConfigT]):
     """ER (Chaudhry et al. 2019): train each task on its data concatenated with the reservoir buffer."""
 
     name = "er"
-    config_class = ERConfig
+    test_options = {"buffer_size": 16}  # a buffer that replays on 64-example tasks
+    same_step_as = "derpp"
+    config_class: ClassVar[type[ReservoirConfig]] = ERConfig
     trains_on_past_tasks = True
     roles = {"training_data": "mixes a buffer of past examples into each task's data"}
     conflicts = {"training_data": "already mixes a buffer of past examples into each task's data: use one of them"}
 
-    def __init__(self, config: ERConfig | dict[str, Any] | None = None):
+    def __init__(self, config: ReservoirConfig | dict[str, Any] | None = None):
         super().__init__(config)
         self.buffer = ReservoirBuffer(self.capacity(pair=False), seed=self.config.seed)
 
     def capacity(self, pair: bool) -> int:
         """The reservoir's budget on pair tasks (`pair`) or CLIP tasks: ER's `buffer_size` in both."""
+        if self.config.buffer_size is None:  # an int in ERConfig; the DERs' None means a per-setting default
+            raise ValueError(f"{self.name} has no buffer_size")
         return self.config.buffer_size
 
     def replay_dataset(self, context: TaskContext) -> Dataset:
@@ -246,11 +262,14 @@ class PairMemory:
 
 
 @register_method
-class DarkExperienceReplay(ExperienceReplay):
+class DarkExperienceReplay(ExperienceReplay[DERConfigT]):
     """DER: `alpha` x MSE between buffered examples' current and stored outputs: their embeddings on CLIP tasks
     (buffer mixed into the data), their pair scores on pair tasks (replayed by task each step). Module docstring."""
 
     name = "der"
+    test_options = {"buffer_size": 16}  # a buffer that replays on 64-example tasks
+    same_step_as = "derpp"
+    variant_of = "derpp"
     config_class = DERConfig
     trains_pair_tasks = True  # on pair tasks: buffered pairs replayed by task through their own heads, never mixed in
     runs_after = {"learner_heads": "records and replays pairs through the learner heads that learner_heads "
@@ -351,14 +370,14 @@ class DarkExperienceReplay(ExperienceReplay):
         """Pair task end: the task's modality pair, and for the new `slots` their cached features and learner
         outputs under the heads just trained (Buzzega et al. record at insertion; with a task-end reservoir the
         task-end heads are the heads of insertion time)."""
-        modalities = tuple(context.task.modalities)
+        modalities = pair_modalities(context.task)
         self.pairs.modalities[context.task_index] = modalities
         if not slots:
             return
         refs = self.buffer.refs
         rows = context.task.train.with_format("torch")[[refs[slot][1] for slot in slots]]
         features = {"features_a": rows["features_a"].float(), "features_b": rows["features_b"].float()}
-        z_a, z_b = learner_outputs(context.model.learner_heads, modalities, features["features_a"],
+        z_a, z_b = learner_outputs(context.model.require_learner_heads(), modalities, features["features_a"],
                                    features["features_b"], self._record_batch_size(context))
         self.pairs.store(slots, len(self.buffer), {**features, "z_a": z_a, "z_b": z_b})
 
@@ -371,10 +390,10 @@ class DarkExperienceReplay(ExperienceReplay):
         context: TaskContext,
     ) -> dict[str, torch.Tensor]:
         if "features_a" in inputs:  # a pair batch: cached features through the learner heads
-            return self.pair_terms(model.learner_heads, context)
+            return self.pair_terms(model.require_learner_heads(), context)
         slots = self._global_slots(inputs, outputs)
         if slots is None:
-            zero = outputs.image_embeds.new_zeros((), dtype=torch.float32)
+            zero = outputs.global_batch()[0].new_zeros((), dtype=torch.float32)
             return {name: zero for name in self.term_names()}
         return self.replay_terms(outputs, slots, getattr(model, "loss_kind", "softmax"))
 
@@ -392,7 +411,7 @@ class DarkExperienceReplay(ExperienceReplay):
         slots = inputs.get(SLOT_COLUMN)
         if slots is None or self.image_targets is None:
             return None
-        return all_gather_no_grad(slots.to(outputs.image_embeds.device))
+        return all_gather_no_grad(slots.to(outputs.global_batch()[0].device))
 
     def _targets_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The stored embeddings on `device`, copied once per task (not per step)."""
@@ -485,11 +504,13 @@ class DarkExperienceReplay(ExperienceReplay):
 
 
 @register_method
-class DarkExperienceReplayPlusPlus(DarkExperienceReplay):
+class DarkExperienceReplayPlusPlus(DarkExperienceReplay[DERPPConfig]):
     """DER++: DER plus `beta` x the contrastive loss on the buffered examples alone: the CLIP loss of the batch's
     buffer rows, or the pair loss of each task group (module docstring)."""
 
     name = "derpp"
+    test_options = {"buffer_size": 16}  # a buffer that replays on 64-example tasks
+    test_families = ("siglip",)
     config_class = DERPPConfig
 
     def term_weights(self, pair: bool) -> dict[str, float]:
@@ -503,6 +524,8 @@ class DarkExperienceReplayPlusPlus(DarkExperienceReplay):
         logits = outputs.global_logits_per_image
         if logits is None:
             logits = outputs.logits_per_image
+        if logits is None:
+            raise ValueError("derpp: the model output holds no logits")
         subset_loss = subset_sigmoid_loss if loss_kind == "sigmoid" else subset_contrastive_loss
         terms["replay_contrastive"] = self.option("beta", pair=False) * subset_loss(
             logits, outputs.global_positive_mask, slots >= 0

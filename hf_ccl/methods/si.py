@@ -21,6 +21,7 @@ needs no reduction.
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -75,7 +76,7 @@ class PathIntegral:
     """
 
     def __init__(
-        self, names: list[str], params: list[torch.Tensor], row_names: set[str | None] = frozenset()
+        self, names: list[str], params: list[torch.Tensor], row_names: AbstractSet[str | None] = frozenset()
     ):
         self.names = names
         self.start = [p.detach().clone() for p in params]
@@ -117,8 +118,8 @@ class PathIntegral:
             delta = torch._foreach_sub([params[i].detach() for i in self.dense], self.previous)
             torch._foreach_addcmul_([self.omega[i] for i in self.dense], self.gradient, delta, value=-1.0)
         for index, (rows, previous, gradient) in self.rows.items():
-            delta = params[index].detach()[rows] - previous
-            self.omega[index].index_add_(0, rows, gradient * delta, alpha=-1.0)
+            row_delta = params[index].detach()[rows] - previous
+            self.omega[index].index_add_(0, rows, gradient * row_delta, alpha=-1.0)
         self.rows.clear()
         self.pending = False
 
@@ -132,10 +133,11 @@ class PathIntegral:
 
 
 @register_method
-class SI(QuadraticPenaltyMethod):
+class SI(QuadraticPenaltyMethod[SIConfig]):
     """Synaptic Intelligence: importance from each parameter's contribution to the loss drop along the path."""
 
     name = "si"
+    test_families = ("metaclip_2",)
     trains_pair_tasks = True  # on pair tasks: the trainable heads, with the pair loss (CMCL's baselines)
     config_class = SIConfig
 
@@ -182,11 +184,18 @@ class SI(QuadraticPenaltyMethod):
         saved, self._restored_path = self._restored_path, None
         if saved is None:
             return
-        if set(saved["start"]) != set(self.path.names):
+        path = self._path()
+        if set(saved["start"]) != set(path.names):
             raise ValueError("SI mid-task state covers different parameters than the model; resume with the same model")
-        for i, name in enumerate(self.path.names):
-            self.path.start[i].copy_(saved["start"][name])
-            self.path.omega[i].copy_(saved["omega"][name])
+        for i, name in enumerate(path.names):
+            path.start[i].copy_(saved["start"][name])
+            path.omega[i].copy_(saved["omega"][name])
+
+    def _path(self) -> PathIntegral:
+        """The path integral of the task in progress (opened by the first step)."""
+        if self.path is None:
+            raise RuntimeError("si: no path integral open (the task has not started training)")
+        return self.path
 
     def on_task_end(self, context: TaskContext) -> None:
         """Close the last step, add ω / (Δ² + ξ) to Ω, anchor θ* at the current parameters."""
@@ -198,7 +207,8 @@ class SI(QuadraticPenaltyMethod):
 
     def _params(self, model: nn.Module) -> list[torch.Tensor]:
         named = dict(model.named_parameters())
-        missing = [name for name in self.path.names if name not in named]
+        names = self._path().names
+        missing = [name for name in names if name not in named]
         if missing:
             raise ValueError(f"SI tracks parameter(s) {missing[:5]} that the model no longer has")
-        return [named[name] for name in self.path.names]
+        return [named[name] for name in names]

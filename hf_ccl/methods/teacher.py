@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -36,7 +37,7 @@ class FrozenTeacher:
         self.encoded_texts = 0
 
     def to(self, device: torch.device | str) -> FrozenTeacher:
-        self.model.to(device)
+        self.model.to(device)  # type: ignore[arg-type]  # transformers' @wraps(nn.Module.to) types PreTrainedModel.to unbound
         return self
 
     def train(self, mode: bool = True) -> FrozenTeacher:  # noqa: ARG002 - a teacher stays in eval mode
@@ -69,7 +70,7 @@ class FrozenTeacher:
         images, texts = self.embed(inputs)
         return all_gather_no_grad(images), all_gather_no_grad(texts)
 
-    def _embed_images(self, image_inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _embed_images(self, image_inputs: dict[str, Any]) -> torch.Tensor:
         self.encoded_images += image_inputs["pixel_values"].shape[0]
         return self.model.embed_images(**image_inputs)
 
@@ -102,7 +103,10 @@ def _rows(tensor: torch.Tensor | None, rows: torch.Tensor, device: torch.device)
     return None if tensor is None else tensor[rows].to(device)
 
 
-def freeze_copy(model: nn.Module) -> nn.Module:
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
+def freeze_copy(model: ModuleT) -> ModuleT:
     """A frozen deep copy of any module (eval mode, no gradients)."""
     frozen = copy.deepcopy(model)
     frozen.eval()

@@ -155,10 +155,11 @@ class TEIRConfig(MethodConfig):
 
 # ----- the method -------------------------------------------------------------------------------------------------
 @register_method
-class TEIR(ContinualMethod):
+class TEIR(ContinualMethod[TEIRConfig]):
     """TEIR's per-row gradient and weight-decay scaling of the token embedding (module docstring, Eqs. 5–6)."""
 
     name = "teir"
+    test_families = ("altclip",)
     config_class = TEIRConfig
     roles = {"previous_model": "protects the token-embedding rows that earlier tasks trained"}
     runs_after = {

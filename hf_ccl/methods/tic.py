@@ -40,6 +40,8 @@ class Sequential(Finetune):
     computation as `finetune`, registered under the paper's name so that TiC-CLIP configs read like Tab. 1."""
 
     name = "sequential"
+    same_step_as = "finetune"
+    variant_of = "finetune"
     roles = {"training_data": "trains each step on its own data only (TiC-CLIP's Sequential)"}
     conflicts = {"training_data": "trains each step on its own data only (TiC-CLIP's Sequential): leave it out"}
 
@@ -53,7 +55,7 @@ def fresh_model(model: ContinualDualEncoder, seed: int) -> ContinualDualEncoder:
         torch.manual_seed(seed)
         new = type(model)(config)
     dtype = next(model.parameters()).dtype
-    return new.to(dtype=dtype)
+    return new.to(dtype=dtype)  # type: ignore[call-arg]  # transformers' @wraps(nn.Module.to) types PreTrainedModel.to unbound
 
 
 @dataclass
@@ -73,7 +75,7 @@ class RestartConfig(MethodConfig):
         check_stream_sizes(self.stream_sizes)
 
 
-class FromScratch(ContinualMethod):
+class FromScratch(ContinualMethod[RestartConfig]):
     """Random init at every step (seeded from the task's seed), trained on the union of all steps so far, with the
     first step's warmup (specs/ticclip.md §2.4 and §7 item 13: Restart and Oracle start from random init)."""
 
@@ -122,6 +124,8 @@ class Restart(FromScratch):
     """Restart (TiC-CLIP §3 IV): random init, C iterations on the union of D_1..D_t, warmup + cosine."""
 
     name = "restart"
+    same_step_as = "finetune"
+    variant_of = "oracle"
 
 
 @register_method
@@ -130,6 +134,7 @@ class Oracle(FromScratch):
     recipe (warmup W_1, then cosine over all t x C iterations). Needs a compute budget (`samples_per_task`)."""
 
     name = "oracle"
+    same_step_as = "finetune"
     needs_compute_budget = True
 
     def training_overrides(self, context: TaskContext, training: dict[str, Any]) -> dict[str, Any]:

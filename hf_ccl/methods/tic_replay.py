@@ -145,11 +145,12 @@ def mix_pool(parts: Sequence[Dataset | IterableDataset], weights: Sequence[int |
     if not any(isinstance(part, IterableDataset) for part in parts):
         return concatenate_datasets(list(parts))
     streams = [part if isinstance(part, IterableDataset) else part.to_iterable_dataset() for part in parts]
-    if any(w is None for w in weights) or sum(weights) <= 0:  # type: ignore[arg-type]
+    given = [w for w in weights if w is not None]
+    if len(given) < len(weights) or sum(given) <= 0:
         probabilities = [1.0 / len(streams)] * len(streams)
     else:
-        total = float(sum(weights))  # type: ignore[arg-type]
-        probabilities = [w / total for w in weights]  # type: ignore[operator]
+        total = float(sum(given))
+        probabilities = [w / total for w in given]
     return interleave_datasets(streams, probabilities=probabilities, seed=seed, stopping_strategy="all_exhausted")
 
 
@@ -292,7 +293,7 @@ def check_stream_sizes(sizes: list[int] | None) -> None:
         check_range(f"stream_sizes[{index}]", size, 0)
 
 
-class CumulativeReplay(ContinualMethod):
+class CumulativeReplay(ContinualMethod[CumulativeConfig]):
     """Warm start from the last model; train C iterations on D_t and the buffer of old steps, shuffled together
     (TiC-CLIP §3 II). Subclasses fix the allocation `rule` (see the module docstring)."""
 
@@ -329,6 +330,7 @@ class CumulativeAll(CumulativeReplay):
     rule 2)."""
 
     name = "cumulative_all"
+    same_step_as = "finetune"
     rule = "all"
 
 
@@ -337,6 +339,8 @@ class CumulativeExp(CumulativeReplay):
     """Cumulative-Exp: n_j = B/2^(t-j), n_1 = B/2^(t-2) (TiC-CLIP §3 II, App. D.3; specs/ticclip.md §2.2 rule 3)."""
 
     name = "cumulative_exp"
+    same_step_as = "finetune"
+    variant_of = "cumulative_all"
     rule = "exp"
 
 
@@ -345,4 +349,6 @@ class CumulativeEqual(CumulativeReplay):
     """Cumulative-Equal: n_j = B/(t-1) for every old step (TiC-CLIP §3 II; specs/ticclip.md §2.2 rule 4)."""
 
     name = "cumulative_equal"
+    same_step_as = "finetune"
+    variant_of = "cumulative_all"
     rule = "equal"

@@ -32,7 +32,7 @@ import copy
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from datasets import Dataset
@@ -40,6 +40,7 @@ from datasets import Dataset
 from ..tokenization import (
     MAX_LANGUAGE_VOCAB,
     POSITION_INITS,
+    PositionInit,
     check_context_length,
     copy_tokenizer,
     extend_tokenizer,
@@ -150,10 +151,11 @@ def init_new_rows(
 
 
 @register_method
-class GrowVocab(ContinualMethod):
+class GrowVocab(ContinualMethod[GrowVocabConfig]):
     """Per-language BPE merged into the tokenizer, token embedding grown with TEIR's init. See the module docstring."""
 
     name = "grow_vocab"
+    same_step_as = "cllclip"
     config_class = GrowVocabConfig
     roles = {"vocabulary": "grows the tokenizer and the token embedding at task start"}
     config: GrowVocabConfig
@@ -204,7 +206,10 @@ class GrowVocab(ContinualMethod):
             raise ValueError(f"grow_vocab grows byte-level BPE (CLIP) and Unigram (SentencePiece) tokenizers, not "
                              f"{kind}")
         language_bpe = train_language_bpe(texts, self.config.vocab_size, tokenizer, min_frequency=self.config.min_frequency)
-        grown, new_ids, stats = extend_tokenizer(tokenizer, language_bpe, protect_texts=protect, return_stats=True)
+        result = extend_tokenizer(tokenizer, language_bpe, protect_texts=protect, return_stats=True)
+        if len(result) != 3:  # return_stats=True adds the stats
+            raise RuntimeError("extend_tokenizer returned no merge stats")
+        grown, new_ids, stats = result
         return grown, new_ids, stats.to_dict()
 
     def _grow_context(self, context: TaskContext, tokenizer: Any) -> Any:
@@ -219,7 +224,8 @@ class GrowVocab(ContinualMethod):
             return tokenizer
         tokenizer = copy_tokenizer(tokenizer)  # never change the caller's tokenizer object
         seed = self.config.seed if self.config.seed is not None else context.seed
-        set_context_length(context.model, tokenizer, length, init=self.config.position_init, seed=seed)  # type: ignore[arg-type]
+        init = cast(PositionInit, self.config.position_init)  # one of POSITION_INITS (__post_init__)
+        set_context_length(context.model, tokenizer, length, init=init, seed=seed)
         if context.max_length == current:
             context.max_length = length
         return tokenizer

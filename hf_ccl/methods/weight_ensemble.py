@@ -252,6 +252,8 @@ class WeightEnsemble:
         return names, targets
 
     def _averages(self, names: list[str]) -> list[torch.Tensor]:
+        if self.average is None:
+            raise RuntimeError("WeightEnsemble: no mean yet (reset() before the first step)")
         return [self.average[name] for name in names]
 
 
@@ -280,10 +282,12 @@ class WeightEnsembleConfig(MethodConfig):
 
 
 @register_method
-class WeightEnsembleMethod(ContinualMethod):
+class WeightEnsembleMethod(ContinualMethod[WeightEnsembleConfig]):
     """ZSCL's weight ensemble: deploy the running mean of the weights along each task's training (module docstring)."""
 
     name = "weight_ensemble"
+    test_options = {"every": 1}  # an ensemble step within a few-step task
+    same_step_as = "zscl"
     config_class = WeightEnsembleConfig
     roles = {
         "previous_model": "averages the weights along each task's training with the model the task starts from",

@@ -82,10 +82,11 @@ class WiseFTConfig(MethodConfig):
 
 
 @register_method
-class WiseFT(ContinualMethod):
+class WiseFT(ContinualMethod[WiseFTConfig]):
     """WiSE-FT after every task: deploy (1 − α) θ_reference + α θ_fine-tuned (module docstring)."""
 
     name = "wise_ft"
+    same_step_as = "finetune"
     config_class = WiseFTConfig
     roles = {
         "previous_model": "interpolates each task's fine-tuned model with the initial or the task-start model",

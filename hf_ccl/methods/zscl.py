@@ -34,18 +34,21 @@ teacher.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..data.reference import ReferenceData, load_reference
-from ..validation import check_range
+from ..validation import ConfigError, check_range
 from .base import ContinualMethod, MethodConfig, TaskContext
 from .registry import register_method
 from .teacher import freeze_copy
 from .weight_ensemble import WeightEnsemble, check_same_shapes, cpu_state_dict
+
+if TYPE_CHECKING:
+    from ..modeling import ContinualDualEncoder, ContinualDualEncoderOutput
 
 DIRECTIONS = ("i2t", "t2i")
 
@@ -101,20 +104,19 @@ class ZSCLConfig(MethodConfig):
         check_range("l2", self.l2, 0)
         if not self.directions or any(d not in DIRECTIONS for d in self.directions) or \
                 len(set(self.directions)) != len(self.directions):
-            error = ValueError(f"directions must be a non-empty subset of {list(DIRECTIONS)}, got {self.directions}")
-            error.key = "directions"  # type: ignore[attr-defined]
-            raise error
+            raise ConfigError(f"directions must be a non-empty subset of {list(DIRECTIONS)}, got {self.directions}",
+                              "directions")
         if not self.reference.strip():
-            error = ValueError("reference must name a dataset")
-            error.key = "reference"  # type: ignore[attr-defined]
-            raise error
+            raise ConfigError("reference must name a dataset", "reference")
 
 
 @register_method
-class ZSCL(ContinualMethod):
+class ZSCL(ContinualMethod[ZSCLConfig]):
     """ZSCL: reference-set distillation from the initial model plus a weight ensemble (module docstring)."""
 
     name = "zscl"
+    test_options = {"reference_examples": 24, "reference_batch_size": 8, "ensemble_every": 1}  # a small reference set, an ensemble step within a few-step task
+    test_families = ("metaclip_2",)
     config_class = ZSCLConfig
     roles = {
         "previous_model": "fine-tunes the model the previous task left, distilling the initial model",
@@ -131,7 +133,7 @@ class ZSCL(ContinualMethod):
     def __init__(self, config: ZSCLConfig | dict[str, Any] | None = None):
         super().__init__(config)
         self.initial: dict[str, torch.Tensor] | None = None  # θ_0, the teacher's weights (method state)
-        self.teacher: nn.Module | None = None
+        self.teacher: ContinualDualEncoder | None = None
         self._teacher_device: torch.device | None = None
         self.start: list[torch.Tensor] | None = None  # θ_start of the task's trainable parameters (l2 only)
         self.ensemble = WeightEnsemble(self.config.ensemble_every, self.config.ensemble_schedule)
@@ -171,16 +173,16 @@ class ZSCL(ContinualMethod):
         return self._reference
 
     # ----- the loss ------------------------------------------------------------------------------------------
-    def loss_terms(self, model: Any, inputs: dict[str, torch.Tensor], outputs: Any, context: TaskContext
-                   ) -> dict[str, torch.Tensor]:
+    def loss_terms(self, model: ContinualDualEncoder, inputs: dict[str, torch.Tensor],
+                   outputs: ContinualDualEncoderOutput, context: TaskContext) -> dict[str, torch.Tensor]:
         if self.teacher is None:
             raise RuntimeError("zscl: no teacher (on_task_start was not called)")
         device = model.logit_scale.device
         if self._teacher_device != device:  # follows the student once (the Trainer moves it after task start)
-            self.teacher.to(device)
+            self.teacher.to(device)  # type: ignore[arg-type]  # transformers' @wraps(nn.Module.to) types PreTrainedModel.to unbound
             self._teacher_device = device
         batch = context.reference_batch(self, device)
-        image_inputs = {name: batch[name] for name in model.image_input_names if name in batch}
+        image_inputs: dict[str, Any] = {name: batch[name] for name in model.image_input_names if name in batch}
         with torch.no_grad():
             old_images = self.teacher.embed_images(**image_inputs)
             old_texts = self.teacher.embed_texts(batch["input_ids"], batch["attention_mask"])
@@ -190,15 +192,15 @@ class ZSCL(ContinualMethod):
                      else old_texts)
         new_logits = model.logit_scale.exp() * new_images @ new_texts.t()
         terms: dict[str, torch.Tensor] = {}
-        distilled = sum(
+        distilled = torch.stack([
             zscl_distillation(old_logits if d == "i2t" else old_logits.t(),
                               new_logits if d == "i2t" else new_logits.t(), self.config.temperature)
-            for d in self.config.directions)
+            for d in self.config.directions]).sum()
         terms["distillation"] = self.config.alpha * distilled
         if self.start is not None:
             trainable = [p for p in model.parameters() if p.requires_grad]
-            terms["l2"] = self.config.l2 * sum(((p - s) ** 2).sum() for p, s in zip(trainable, self.start,
-                                                                                     strict=True))
+            pull = sum(((p - s) ** 2).sum() for p, s in zip(trainable, self.start, strict=True))
+            terms["l2"] = self.config.l2 * cast(torch.Tensor, pull)  # a sum of tensors (the task trains some)
         return terms
 
     # ----- the weight ensemble -------------------------------------------------------------------------------

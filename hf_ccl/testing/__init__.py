@@ -57,7 +57,7 @@ def tiny_model(family: str = "clip", seed: int = 0, **overrides: int) -> Continu
     from ..families import family_class, tiny_config
 
     torch.manual_seed(seed)
-    return family_class(family)(tiny_config(family, **{**TINY_CLIP, **overrides}))  # type: ignore[call-arg]
+    return family_class(family)(tiny_config(family, **{**TINY_CLIP, **overrides}))
 
 
 def random_image_inputs(model: ContinualDualEncoder, count: int = 2, seed: int = 0) -> dict[str, Any]:
