@@ -17,37 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+from .training_defaults import NO_WARMUP_SCHEDULES, default_training, with_training_defaults  # noqa: F401 (re-exported)
 from .validation import ConfigError, check_choice, check_dataclass, check_no_tokens, check_range
 
 WARMUP_RULES = ("every_task", "first_task")
 CLASSIFICATION_LOSSES = ("contrastive", "cross_entropy")
 CLASS_SCOPES = ("task", "seen")
-#: Schedules that take no warmup.
-NO_WARMUP_SCHEDULES: tuple[str, ...] = ("constant", "reduce_lr_on_plateau", "greedy")
-
-
-def default_training() -> dict[str, Any]:
-    """The training defaults of every run, from Python, YAML or the command line (a given `training` section extends
-    them, `with_training_defaults`): settings that train the tiny default CLIP, where TrainingArguments' own (batch 8,
-    lr 5e-5, linear, no warmup, no weight decay) train it poorly."""
-    return {
-        "num_train_epochs": 8,
-        "per_device_train_batch_size": 64,
-        "learning_rate": 1e-3,
-        "weight_decay": 0.1,
-        "warmup_steps": 0.1,
-        "lr_scheduler_type": "cosine",
-        "logging_steps": 10,
-    }
-
-
-def with_training_defaults(training: Mapping[str, Any]) -> dict[str, Any]:
-    """`training` over `default_training()`. The default warmup is left out when the given schedule takes none
-    (`NO_WARMUP_SCHEDULES`): a default never makes a given value refused."""
-    merged = {**default_training(), **training}
-    if "warmup_steps" not in training and merged.get("lr_scheduler_type") in NO_WARMUP_SCHEDULES:
-        merged.pop("warmup_steps")
-    return merged
 
 
 # ----- sections ------------------------------------------------------------------------------------------------
@@ -385,8 +360,7 @@ def validate_training_args(training: dict[str, Any]) -> dict[str, Any]:
     """The `training` section checked before any training starts (`hf_ccl.training_options`): unknown fields,
     fields the loop sets itself or does not use, types, ranges and mixed precision on this machine. Returns the
     values with lossless conversions applied (a number YAML read as a string)."""
-    from .stream_logging import reporting_callbacks
-    from .training_options import check_training_args
+    from .training_options import check_training_args, reporting_callbacks
 
     checked = check_training_args(training)
     try:

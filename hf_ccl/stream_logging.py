@@ -30,6 +30,7 @@ from transformers.integrations import get_reporting_integration_callbacks
 from .compute import TaskCompute
 from .distributed import is_main_process
 from .evaluation.matrix import INITIAL_LABEL, ResultsMatrix
+from .training_options import integration_names, reporting_callbacks  # noqa: F401 (re-exported)
 
 #: Integrations rewrite a log key `eval_<name>` as `eval/<name>` (and any other key as `train/<key>`).
 RESULTS_PREFIX = "eval_results"
@@ -43,31 +44,6 @@ SHIFTED_EVENTS = (
     "on_epoch_begin", "on_epoch_end", "on_step_begin", "on_pre_optimizer_step", "on_optimizer_step",
     "on_substep_end", "on_step_end", "on_evaluate", "on_predict", "on_log", "on_prediction_step", "on_push_begin",
 )
-
-
-def integration_names(report_to: str | Sequence[str] | None) -> list[str]:
-    """`training.report_to` resolved as TrainingArguments resolves it ("all", "none", one name or a list)."""
-    if report_to is not None and not isinstance(report_to, str):
-        report_to = list(report_to)
-    resolved = TrainingArguments(output_dir="unused", report_to="none" if report_to is None else report_to).report_to
-    return [resolved] if isinstance(resolved, str) else list(resolved or ())
-
-
-def reporting_callbacks(report_to: str | Sequence[str] | None) -> list[TrainerCallback]:
-    """One new callback per integration `training.report_to` names; an unknown name or an integration whose package
-    is missing is an error naming the option."""
-    names = integration_names(report_to)
-    try:
-        classes = get_reporting_integration_callbacks(names)
-    except ValueError as error:
-        raise ValueError(f"training.report_to: {error}") from error
-    callbacks = []
-    for name, callback_class in zip(names, classes, strict=True):
-        try:
-            callbacks.append(callback_class())
-        except (ImportError, RuntimeError) as error:
-            raise RuntimeError(f"training.report_to names {name!r}, which cannot be used here: {error}") from error
-    return callbacks
 
 
 class StreamLogger(TrainerCallback):

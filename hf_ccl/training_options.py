@@ -14,15 +14,16 @@ import dataclasses
 import enum
 import os
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
 import torch
-from transformers import TrainingArguments
+from transformers import TrainerCallback, TrainingArguments
+from transformers.integrations import get_reporting_integration_callbacks
 
-from .arguments import NO_WARMUP_SCHEDULES, default_training, with_training_defaults  # noqa: F401 (re-exported)
 from .distributed import NotDistributedError, check_distributed_trainer, launch_defaults
+from .training_defaults import NO_WARMUP_SCHEDULES, default_training, with_training_defaults  # noqa: F401 (re-exported)
 from .validation import (
     ConfigError,
     check_choice,
@@ -315,3 +316,28 @@ def _trial(training: Mapping[str, Any]) -> None:
         raise ConfigError(str(error), "training.use_cpu" if "use_cpu" in training else "training") from error
     except (ValueError, ImportError, OSError) as error:
         raise ConfigError(f"training: {error}") from error
+
+
+def integration_names(report_to: str | Sequence[str] | None) -> list[str]:
+    """`training.report_to` resolved as TrainingArguments resolves it ("all", "none", one name or a list)."""
+    if report_to is not None and not isinstance(report_to, str):
+        report_to = list(report_to)
+    resolved = TrainingArguments(output_dir="unused", report_to="none" if report_to is None else report_to).report_to
+    return [resolved] if isinstance(resolved, str) else list(resolved or ())
+
+
+def reporting_callbacks(report_to: str | Sequence[str] | None) -> list[TrainerCallback]:
+    """One new callback per integration `training.report_to` names; an unknown name or an integration whose package
+    is missing is an error naming the option."""
+    names = integration_names(report_to)
+    try:
+        classes = get_reporting_integration_callbacks(names)
+    except ValueError as error:
+        raise ValueError(f"training.report_to: {error}") from error
+    callbacks = []
+    for name, callback_class in zip(names, classes, strict=True):
+        try:
+            callbacks.append(callback_class())
+        except (ImportError, RuntimeError) as error:
+            raise RuntimeError(f"training.report_to names {name!r}, which cannot be used here: {error}") from error
+    return callbacks
