@@ -25,6 +25,12 @@ loop should do next), and keyword arguments that depend on the event (`learner` 
 | `on_stream_end`       | `fit()` ends, also when it fails (`error` is then the exception)  | `error`                    |
 
 Callbacks run in the order given, after the built-in ones.
+
+A callback with state that must survive a restart implements `state_dict()` / `load_state_dict(state)`, as methods
+do (a nested dict of tensors and JSON values; `hf_ccl.state_files`): every task checkpoint saves it in
+`callback_state.json` / `.safetensors` under the callback's `state_key` (default: its class name), and a resume
+gives it back before `on_restore`. Files a callback writes in `on_save` are outputs for readers (`compute.json`, the
+model card), never read back on resume.
 """
 
 from __future__ import annotations
@@ -61,8 +67,23 @@ class StreamControl:
     should_stop: bool = False
 
 
+#: Stem of the files the task callbacks' states are saved in (`callback_state.json` / `.safetensors`).
+CALLBACK_STATE = "callback_state"
+
+
 class TaskCallback:
-    """Base class: every event is a no-op, so a callback overrides only the events it needs."""
+    """Base class: every event is a no-op, so a callback overrides only the events it needs; a callback with state
+    overrides `state_dict` and `load_state_dict`."""
+
+    #: The name its state is saved under in a checkpoint; None: the class name.
+    state_key: str | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """What must survive a restart: tensors and JSON values (saved only when a subclass overrides this)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
 
     def on_stream_begin(self, args: Any, state: StreamState, control: StreamControl, **kwargs: Any) -> None: ...
 
@@ -94,11 +115,13 @@ class TaskCallbackHandler:
     def __post_init__(self) -> None:
         for callback in self.callbacks:
             check_callback(callback)
+        stateful_callbacks(self.callbacks)
 
     def add(self, callbacks: Sequence[TaskCallback]) -> None:
         for callback in callbacks:
             check_callback(callback)
-            self.callbacks.append(callback)
+        stateful_callbacks([*self.callbacks, *callbacks])  # two under one state key fail here, before anything runs
+        self.callbacks.extend(callbacks)
 
     def get(self, kind: type[TaskCallback]) -> TaskCallback | None:
         """The first callback of type `kind`, or None."""
@@ -109,6 +132,40 @@ class TaskCallbackHandler:
             raise ValueError(f"Unknown task event {event!r}; events: {', '.join(EVENTS)}")
         for callback in self.callbacks:
             getattr(callback, event)(args, state, control, **kwargs)
+
+
+def has_state(callback: TaskCallback) -> bool:
+    """Whether the callback saves state (its class overrides `state_dict`)."""
+    return type(callback).state_dict is not TaskCallback.state_dict
+
+
+def stateful_callbacks(callbacks: Sequence[TaskCallback]) -> dict[str, TaskCallback]:
+    """The callbacks with state, by `state_key`; two under one key is an error."""
+    found: dict[str, TaskCallback] = {}
+    for callback in callbacks:
+        if not has_state(callback):
+            continue
+        key = callback.state_key or type(callback).__name__
+        if key in found:
+            raise ValueError(f"Task callbacks {type(found[key]).__name__} and {type(callback).__name__} both save their "
+                             f"state as {key!r}: give one of them another `state_key`")
+        found[key] = callback
+    return found
+
+
+def save_callback_states(callbacks: Sequence[TaskCallback], directory: str | Path) -> None:
+    """Every stateful callback's `state_dict()` in `directory` (`callback_state.json` / `.safetensors`)."""
+    from .state_files import save_states  # (here: this module stays free of torch, for the CLI's start)
+
+    save_states(stateful_callbacks(callbacks), directory, CALLBACK_STATE)
+
+
+def load_callback_states(callbacks: Sequence[TaskCallback], directory: str | Path) -> None:
+    """Give every stateful callback its state from `directory`; one the checkpoint holds no state for (added at
+    the resume) starts afresh, with a warning."""
+    from .state_files import load_states
+
+    load_states(stateful_callbacks(callbacks), directory, CALLBACK_STATE, what="task callback", required=False)
 
 
 def check_callback(callback: Any) -> None:

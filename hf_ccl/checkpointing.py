@@ -1,10 +1,14 @@
 """Task checkpoints: writing `output_dir/task-<k>/` and resuming a run from one (local, or the Hub's newest `task-<k>`
 revision), and the interrupted task's own Trainer checkpoint.
 
-A task checkpoint holds the model, the processor and tokenizer, every method's state, the results so far, the
-callbacks' files (compute, spatial disorder, the model card) and `continual_state.json`; `checkpoint_manifest.json`
-comes last (a folder without it was cut short) and is verified on resume. A resume must match the saved settings
-(`resume_allow_changes` lets named changes through, and records them).
+A task checkpoint is a run's `RunState` (`hf_ccl.run_state`) with its model and processor: the model, the processor
+and tokenizer, every method's and task callback's state (one state protocol, `save_states` / `restore_states`), the
+results so far, `continual_state.json`, and the callbacks' files for readers (compute, spatial disorder, the model
+card); `checkpoint_manifest.json` comes last (a folder without it was cut short) and is verified on resume. A resume
+must match the saved settings (`resume_allow_changes` lets named changes through, and records them).
+
+Every function here takes what it reads and writes as arguments (the run state, the model, paths, settings): none
+knows the learner.
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from huggingface_hub import snapshot_download
@@ -24,6 +29,13 @@ from safetensors.torch import load_file
 from transformers import PretrainedConfig, PreTrainedTokenizerBase, TrainingArguments
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
+from .callbacks import (
+    CALLBACK_STATE,
+    TaskCallback,
+    load_callback_states,
+    save_callback_states,
+    stateful_callbacks,
+)
 from .checkpoint_files import (
     MANIFEST,
     CheckpointError,
@@ -33,31 +45,38 @@ from .checkpoint_files import (
     verify_checkpoint,
     write_manifest,
 )
+from .compute import compute_state
 from .data.collate import load_tokenizer
+from .data.task import TaskStream
 from .distributed import barrier, broadcast_object, is_main_process
 from .evaluation.matrix import ResultsMatrix
+from .evaluation.spatial_disorder import disorder_state
 from .evaluation.zeroshot import DEFAULT_TEMPLATES
 from .hub import bounded_hub_timeouts, download_task_checkpoint, task_branches
+from .methods.base import ContinualMethod
 from .methods.state import load_method_states, save_method_states
+from .modeling import ContinualDualEncoder
 from .processors import save_processor
 from .resume_settings import UNCOMPARED_TRAINING, allowed, describe_diff, settings_diff
+from .run_state import RunState
 from .tokenization import position_table_path, resize_position_embeddings
 from .trainer import MID_TASK_STATE
 from .validation import ConfigError
 from .version import __version__
 
-if TYPE_CHECKING:
-    from .continual import ContinualLearner
-
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_STATE = "continual_state.json"
 
+#: Writes the task callbacks' files for readers into a folder (`folder`, `task_folder`): the `on_save` event.
+WriteOutputs = Callable[[Path, bool], None]
+
 
 # ----- resume ------------------------------------------------------------------------------------------------------
-def find_resume_checkpoint(learner: ContinualLearner) -> Path | None:
-    """The task checkpoint folder to continue from, or None to start from the first task."""
-    request = learner.args.resume_from_checkpoint
+def find_resume_checkpoint(request: bool | str | None, output_dir: Path, hub_model_id: str | None = None,
+                           hub_timeout: float = 60.0) -> Path | None:
+    """The task checkpoint folder `request` (`resume_from_checkpoint`) continues from: in `output_dir`, else the
+    newest `task-<k>` revision of `hub_model_id`; None to start from the first task."""
     if request in (None, False):
         return None
     if isinstance(request, str) and request != "auto":
@@ -69,30 +88,28 @@ def find_resume_checkpoint(learner: ContinualLearner) -> Path | None:
             raise ValueError(f"resume_from_checkpoint={request!r}: no complete task checkpoint (a task-<k>/ folder "
                              f"with {CHECKPOINT_STATE}) there")
         return found
-    found = latest_task_checkpoint(learner.output_dir)
-    if found is None and learner.args.hub.model_id is not None:
-        found = download_latest_from_hub(learner)
+    found = latest_task_checkpoint(output_dir)
+    if found is None and hub_model_id is not None:
+        found = download_latest_from_hub(hub_model_id, output_dir, hub_timeout)
     if found is None and request is True and broadcast_object(
-            newest_complete_trainer_checkpoint(learner.output_dir / "trainer" / "task-0") if is_main_process() else None):
-        logger.info("No task checkpoint yet in %s: task 0 resumes from its Trainer checkpoint", learner.output_dir)
+            newest_complete_trainer_checkpoint(output_dir / "trainer" / "task-0") if is_main_process() else None):
+        logger.info("No task checkpoint yet in %s: task 0 resumes from its Trainer checkpoint", output_dir)
         return None
     if found is None and request is True:
-        where = str(learner.output_dir) + (f" or on the Hub at {learner.args.hub.model_id}" if learner.args.hub.model_id
-                                        else "")
+        where = str(output_dir) + (f" or on the Hub at {hub_model_id}" if hub_model_id else "")
         raise ValueError(f"resume_from_checkpoint=True but there is no complete task checkpoint in {where}; use "
                          "'auto' to start afresh when there is none")
     return found
 
 
-def download_latest_from_hub(learner: ContinualLearner) -> Path | None:
-    """Fetch the newest `task-<k>` revision of `hub.model_id` into output_dir (main process; others wait)."""
-    repo = learner.args.hub.model_id
-    bounded_hub_timeouts(learner.args.hub.timeout)  # the download gets bounded timeouts too
+def download_latest_from_hub(repo: str, output_dir: Path, hub_timeout: float = 60.0) -> Path | None:
+    """Fetch the newest `task-<k>` revision of `repo` into `output_dir` (main process; others wait)."""
+    bounded_hub_timeouts(hub_timeout)  # the download gets bounded timeouts too
     branches = task_branches(repo)
     if not branches:
         return None
     index = max(branches)
-    folder = learner.output_dir / f"task-{index}"
+    folder = output_dir / f"task-{index}"
     if is_main_process():
         logger.info("Resuming from %s revision task-%d", repo, index)
         download_task_checkpoint(repo, index, folder)
@@ -102,10 +119,11 @@ def download_latest_from_hub(learner: ContinualLearner) -> Path | None:
     return folder  # verified by `restore`, like a local one
 
 
-def restore(learner: ContinualLearner, folder: str | Path) -> int:
-    """Load a task checkpoint written by `save_checkpoint`: model weights, tokenizer (if it changed), every method's
-    state, the results so far. Returns the index of the task it was written after. Every problem is an error
-    naming the file, never a silent fresh start."""
+def restore(folder: str | Path, run: RunState, model: ContinualDualEncoder, task_names: list[str]) -> int:
+    """Load a task checkpoint written by `save_checkpoint` into `run` and `model`: model weights, tokenizer (if it
+    changed), every method's and task callback's state, the results so far, the global step and the resume changes
+    (the checkpoint must be of a stream of `task_names`, with `run`'s methods and settings). Returns the index of the
+    task it was written after. Every problem is an error naming the file, never a silent fresh start."""
     folder = Path(folder)
     try:
         extra = verify_checkpoint(folder)
@@ -113,39 +131,39 @@ def restore(learner: ContinualLearner, folder: str | Path) -> int:
         raise CheckpointError(f"{error}. Remove {folder} to resume from the task before it, or restore the "
                               "file") from error
     with manifest_view(folder, extra) as view:  # only the files the checkpoint wrote are read
-        return _restore_verified(learner, view, folder)
+        return _restore_verified(view, folder, run, model, task_names)
 
 
-def _restore_verified(learner: ContinualLearner, folder: Path, source: Path) -> int:
+def _restore_verified(folder: Path, source: Path, run: RunState, model: ContinualDualEncoder,
+                      task_names: list[str]) -> int:
     """`restore` of a verified checkpoint read from `folder` (`source` itself, or a view of its listed files)."""
     state = _read_json(folder / CHECKPOINT_STATE)
     index = int(state["task_index"])
-    names = learner.stream.task_names
-    if state.get("task_names") != names:
+    if state.get("task_names") != task_names:
         raise ValueError(f"{source / CHECKPOINT_STATE} was written for tasks {state.get('task_names')}, but this "
-                         f"stream has {names}: resume with the same stream")
-    methods = [method.name for method in learner.methods]
+                         f"stream has {task_names}: resume with the same stream")
+    methods = [method.name for method in run.methods]
     if state.get("methods") != methods:
         raise ValueError(f"{source / CHECKPOINT_STATE} was written with methods {state.get('methods')}, but this "
                          f"run has {methods}: resume with the same methods")
-    check_settings(learner, state, source / CHECKPOINT_STATE, index)
-    check_same_architecture(learner.model.config, folder, source)
+    check_settings(run, state, source / CHECKPOINT_STATE, index)
+    check_same_architecture(model.config, folder, source)
     tokenizer_file = folder / "tokenizer_config.json"
     if tokenizer_file.exists():
         saved = load_tokenizer(folder)
-        if not same_tokenizer(saved, learner.tokenizer):  # by content: grown merges need not add tokens
-            learner.tokenizer = saved
-    load_model_weights(learner.model, folder)
-    learner.model.align_special_tokens(learner.tokenizer)
-    load_method_states(learner.methods, folder)
+        if not same_tokenizer(saved, run.tokenizer):  # by content: grown merges need not add tokens
+            run.tokenizer = saved
+    load_model_weights(model, folder)
+    model.align_special_tokens(run.tokenizer)
+    restore_states(folder, run.methods, run.callbacks)
     try:
-        learner.results = ResultsMatrix.load(folder)
+        run.results = ResultsMatrix.load(folder)
     except (OSError, ValueError, KeyError) as error:
         raise ValueError(f"Cannot read the results matrix in {source}: {error}") from error
-    learner.event("on_restore", folder=folder)
-    # (checkpoints written before `global_step` was stored: the compute records hold every task's steps)
-    learner.global_step = int(state.get("global_step", sum(record.optimizer_steps for record in learner.compute)))
-    trained = [row.label for row in learner.results.rows if row.label != "initial"]
+    # (checkpoints written before `global_step` was stored: their compute records hold every task's steps)
+    run.global_step = int(state["global_step"] if "global_step" in state else
+                          sum(task["optimizer_steps"] for task in compute_state(folder)["tasks"]))
+    trained = [row.label for row in run.results.rows if row.label != "initial"]
     if len(trained) != index + 1:
         raise ValueError(f"{source} holds {len(trained)} trained rows in results.json, expected {index + 1}")
     logger.info("Resumed after task %d (%s) from %s", index, state.get("task_name"), source)
@@ -197,29 +215,30 @@ def same_tokenizer(one: PreTrainedTokenizerBase, other: PreTrainedTokenizerBase)
             and getattr(one, "bpe_ranks", None) == getattr(other, "bpe_ranks", None))
 
 
-def mid_task_checkpoint(learner: ContinualLearner, training_args: TrainingArguments, task_index: int) -> str | None:
-    """The interrupted task's last Trainer checkpoint when resuming (it needs `save_strategy`): the local one,
-    else (with `training.push_to_hub`) the `last-checkpoint/` the Trainer pushed to the `training` branch, when
-    it belongs to this task. None: the task starts from its beginning."""
-    if learner.args.resume_from_checkpoint in (None, False):
+def mid_task_checkpoint(request: bool | str | None, training_args: TrainingArguments, task_index: int,
+                        run: RunState) -> str | None:
+    """The interrupted task's last Trainer checkpoint when resuming (`request`: `resume_from_checkpoint`; it needs
+    `save_strategy`): the local one, else (with `training.push_to_hub`) the `last-checkpoint/` the Trainer pushed
+    to the `training` branch, when it belongs to this task. Its settings are checked against `run`'s. None: the
+    task starts from its beginning."""
+    if request in (None, False):
         return None
     trainer_dir = Path(training_args.output_dir)
     found = newest_complete_trainer_checkpoint(trainer_dir) if is_main_process() else None
     found = broadcast_object(found)
     if found is None and training_args.push_to_hub:
-        found = download_training_checkpoint(learner, training_args, trainer_dir, task_index)
+        found = download_training_checkpoint(training_args, trainer_dir, task_index)
     if found is not None:
         task = _read_json(Path(found) / MID_TASK_STATE / "task.json")
         if task.get("task_index") != task_index:
             raise ValueError(f"Trainer checkpoint {found} was written during task {task.get('task_index')}, not "
                              f"task {task_index}")
         if "settings" in task:
-            check_settings(learner, task, Path(found) / MID_TASK_STATE / "task.json", task_index - 1)
+            check_settings(run, task, Path(found) / MID_TASK_STATE / "task.json", task_index - 1)
     return found
 
 
-def download_training_checkpoint(learner: ContinualLearner, training_args: TrainingArguments, trainer_dir: Path, task_index: int
-) -> str | None:
+def download_training_checkpoint(training_args: TrainingArguments, trainer_dir: Path, task_index: int) -> str | None:
     """Fetch `last-checkpoint/` from the Trainer's Hub branch into trainer_dir (main process; others wait); None
     when there is none or it was written during another (earlier) task."""
     target = trainer_dir / "checkpoint-hub"
@@ -243,85 +262,129 @@ def download_training_checkpoint(learner: ContinualLearner, training_args: Train
     return str(folder) if task == task_index else None
 
 
-def check_settings(learner: ContinualLearner, saved: dict[str, Any], source: Path, after_task: int) -> None:
+def check_settings(run: RunState, saved: dict[str, Any], source: Path, after_task: int) -> None:
     """Refuse a resume whose settings differ from those `saved` (a checkpoint's state), except the keys of
-    `resume_allow_changes`, which are recorded. Checkpoints without `settings` (older hf_ccl) are compared on
-    the keys they stored."""
+    `run.allow_changes` (`resume_allow_changes`), which are recorded in `run.resume_changes`. Checkpoints without
+    `settings` (older hf_ccl) are compared on the keys they stored."""
     settings = saved.get("settings")
     if settings is None:
         legacy = {"seed": saved.get("seed"), "methods": saved.get("methods"),
                   "method_args": saved.get("method_configs"), "first_task_epochs": saved.get("first_task_epochs"),
                   "training": {k: v for k, v in (saved.get("training") or {}).items()
-                               if k in learner.settings["training"] or k not in UNCOMPARED_TRAINING}}
+                               if k in run.settings["training"] or k not in UNCOMPARED_TRAINING}}
         settings = {key: value for key, value in legacy.items() if key in saved or key == "method_args"}
-        now = {key: learner.settings[key] for key in settings}
+        now = {key: run.settings[key] for key in settings}
     else:
-        now = learner.settings
+        now = run.settings
     changes = settings_diff(settings, now)
-    refused = [change for change in changes if not allowed(change[0], learner.args.resume_allow_changes)]
+    refused = [change for change in changes if not allowed(change[0], run.allow_changes)]
     if refused:
         described, keys = describe_diff(refused)
         raise ConfigError(
             f"{source} was written with other settings than this run's (saved -> now): {described}. Resume with "
             f"the same settings, or allow these changes with resume_allow_changes=[{', '.join(keys)}]",
             "resume_from_checkpoint")
-    learner.resume_changes = list(saved.get("resume_changes", []))
-    recorded = {(change["key"], json.dumps(change["now"])) for change in learner.resume_changes}
+    run.resume_changes = list(saved.get("resume_changes", []))
+    recorded = {(change["key"], json.dumps(change["now"])) for change in run.resume_changes}
     for key, old, new in changes:
         if (key, json.dumps(new)) not in recorded:
-            learner.resume_changes.append({"after_task": after_task, "key": key, "saved": old, "now": new})
+            run.resume_changes.append({"after_task": after_task, "key": key, "saved": old, "now": new})
             where = f"after task {after_task}" if after_task >= 0 else "in task 0 (from its Trainer checkpoint)"
             logger.warning("Resuming %s with %s changed: %r -> %r (allowed)", where, key, old, new)
 
 
 # ----- writing -----------------------------------------------------------------------------------------------------
-def save_run_files(learner: ContinualLearner) -> None:
-    """The run folder's results (and the callbacks' files: compute, disorder), as in the last task checkpoint."""
-    if is_main_process() and learner.writes_checkpoints:
-        learner.results.save(learner.output_dir)
-        learner.event("on_save", folder=learner.output_dir, task_folder=False)
-
-
-
-def save_checkpoint(learner: ContinualLearner, index: int) -> Path:
-    """Write `output_dir/task-<index>/` atomically (a `.partial` folder renamed at the end); main process only."""
-    final = learner.output_dir / f"task-{index}"
+def save_run_files(output_dir: Path, results: ResultsMatrix, write_outputs: WriteOutputs) -> None:
+    """The run folder's results (and, through `write_outputs`, the callbacks' files: compute, disorder), as in the
+    last task checkpoint (main process)."""
     if is_main_process():
-        partial = learner.output_dir / f"task-{index}.partial"
+        results.save(output_dir)
+        write_outputs(output_dir, False)
+
+
+def save_checkpoint(output_dir: Path, index: int, run: RunState, model: ContinualDualEncoder, image_processor: Any,
+                    stream: TaskStream, max_length: int, write_outputs: WriteOutputs) -> Path:
+    """Write `output_dir/task-<index>/` atomically (a `.partial` folder renamed at the end; main process only): the
+    model, its processor (`max_length`), `run`'s states and results, `continual_state.json` (with what the card
+    says of `stream`), the callbacks' files (`write_outputs`) and, last, the manifest; then the run folder's files
+    (`save_run_files`)."""
+    final = output_dir / f"task-{index}"
+    if is_main_process():
+        partial = output_dir / f"task-{index}.partial"
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-        learner.model.save_pretrained(partial)
+        model.save_pretrained(partial)
         # the family's processor, padding as hf_ccl did (plain clients reproduce the evaluation: hf_ccl.processors)
-        save_processor(partial, learner.model, learner.image_processor, learner.tokenizer, learner.max_length)
-        save_method_states(learner.methods, partial)
-        learner.results.save(partial)
-        state = {
-            "task_index": index,
-            "task_name": learner.stream[index].name,
-            "stream": learner.stream.name,
-            "task_names": learner.stream.task_names,
-            "task_sources": [task.source for task in learner.stream],
-            "methods": [method.name for method in learner.methods],
-            "method_configs": {method.name: method.config.to_dict() for method in learner.methods},
-            "base_model": learner.base_model,
-            "seed": learner.args.seed,
-            "training": learner.args.training,
-            "first_task_epochs": learner.args.first_task_epochs,
-            "global_step": learner.global_step,
-            "hf_ccl_version": __version__,
-            "settings": learner.settings,
-            "resume_changes": learner.resume_changes,
-            "card_license": learner.args.card.license,
-            "evaluation": [evaluation_protocol(task) for task in learner.stream],
-        }
+        save_processor(partial, model, image_processor, run.tokenizer, max_length)
+        save_states(partial, run.methods, run.callbacks)
+        run.results.save(partial)
+        state = checkpoint_state(index, run, stream)
         (partial / CHECKPOINT_STATE).write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
-        learner.event("on_save", folder=partial, task_folder=True)  # compute, disorder, the model card
+        write_outputs(partial, True)  # compute, disorder, the model card
         write_manifest(partial)  # last: a folder without it was cut short
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
-    save_run_files(learner)
+    save_run_files(output_dir, run.results, write_outputs)
     barrier()
     return final
+
+
+def checkpoint_state(index: int, run: RunState, stream: TaskStream) -> dict[str, Any]:
+    """`continual_state.json` of the checkpoint after task `index`: where the run is, what a resume must match, and
+    what the model card reads."""
+    description = run.description
+    return {
+        "task_index": index,
+        "task_name": stream[index].name,
+        "stream": stream.name,
+        "task_names": stream.task_names,
+        "task_sources": [task.source for task in stream],
+        "methods": [method.name for method in run.methods],
+        "method_configs": {method.name: method.config.to_dict() for method in run.methods},
+        "base_model": description.get("base_model"),
+        "seed": description.get("seed"),
+        "training": description.get("training"),
+        "first_task_epochs": description.get("first_task_epochs"),
+        "global_step": run.global_step,
+        "hf_ccl_version": __version__,
+        "settings": run.settings,
+        "resume_changes": run.resume_changes,
+        "card_license": description.get("card_license"),
+        "evaluation": [evaluation_protocol(task) for task in stream],
+    }
+
+
+# ----- state (methods and task callbacks, one protocol) -------------------------------------------------------------
+#: Where checkpoints written before the task callbacks' state protocol (no `callback_state.json`) kept the built-in
+#: callbacks' state, by `state_key`: read from those files on resume.
+LEGACY_CALLBACK_STATES: dict[str, Callable[[Path], dict[str, Any]]] = {
+    "compute": compute_state,
+    "spatial_disorder": disorder_state,
+}
+
+
+def save_states(folder: Path, methods: Sequence[ContinualMethod], callbacks: Sequence[TaskCallback]) -> None:
+    """Every method's and every stateful task callback's `state_dict()` in `folder` (`hf_ccl.state_files`)."""
+    save_method_states(list(methods), folder)
+    save_callback_states(callbacks, folder)
+
+
+def restore_states(folder: Path, methods: Sequence[ContinualMethod], callbacks: Sequence[TaskCallback]) -> None:
+    """Give every method and stateful task callback its state saved by `save_states` in `folder`. A checkpoint of an
+    earlier hf_ccl (without `callback_state.json`): the built-in callbacks' state is read from their files
+    (`LEGACY_CALLBACK_STATES`); other callbacks start afresh, with a warning."""
+    load_method_states(list(methods), folder)
+    if (folder / f"{CALLBACK_STATE}.json").is_file():
+        load_callback_states(callbacks, folder)
+        return
+    for key, callback in stateful_callbacks(callbacks).items():
+        read = LEGACY_CALLBACK_STATES.get(key)
+        if read is None:
+            logger.warning("%s has no %s.json (written by an earlier hf_ccl): task callback %r starts from its "
+                           "initial state", folder, CALLBACK_STATE, key)
+        else:
+            callback.load_state_dict(read(folder))
+
 
 # ----- files ----------------------------------------------------------------------------------------------------
 def latest_task_checkpoint(run_dir: str | Path, warn: bool = True) -> Path | None:

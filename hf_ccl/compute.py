@@ -416,7 +416,9 @@ def trained_counts(trainer: Any) -> tuple[int, float, bool]:
 class ComputeCallback(TaskCallback):
     """Records what the run cost: every trained task (`TaskCompute`) and the run's start-up and initial evaluation
     (`RunPhases`), in `compute.json` in every checkpoint and the run folder, and in the `cost` section of the
-    results."""
+    results. Its records are its state (`state_dict`): a resumed run adds to them."""
+
+    state_key = "compute"
 
     def __init__(self) -> None:
         self.records: list[TaskCompute] = []
@@ -463,10 +465,17 @@ class ComputeCallback(TaskCallback):
         kwargs["learner"].results.cost = [asdict(record) for record in self.records]  # with the checkpoint's time
 
     def on_save(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
-        save_compute(self.records, kwargs["folder"], self.run)
+        save_compute(self.records, kwargs["folder"], self.run)  # for readers; a resume reads `state_dict`
 
-    def on_restore(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
-        self.records, self.run = load_compute(kwargs["folder"])
-        learner = kwargs["learner"]
-        learner.results.cost = [asdict(record) for record in self.records]
-        learner.results.cost_run = asdict(self.run)
+    def state_dict(self) -> dict[str, Any]:
+        return {"tasks": [asdict(record) for record in self.records], "run": asdict(self.run)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.records, self.run = task_records(state["tasks"]), RunPhases(**state["run"])
+
+
+def compute_state(directory: str | Path) -> dict[str, Any]:
+    """`ComputeCallback`'s state from the `compute.json` of a checkpoint written before the callbacks' state
+    protocol (`callback_state.json`)."""
+    records, run = load_compute(directory)
+    return {"tasks": [asdict(record) for record in records], "run": asdict(run)}

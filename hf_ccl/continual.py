@@ -68,6 +68,7 @@ from .modeling import ContinualDualEncoder
 from .pair_features import ModalityEncoder, encode_pair_stream, pair_encoders
 from .resume_settings import run_settings
 from .run_folder import RunFolderLock, claim_run_folder
+from .run_state import RunState
 from .stream_logging import StreamLogger
 from .trainer import ContinualTrainer
 
@@ -129,25 +130,30 @@ class ContinualLearner:
         self.modality_encoders = dict(modality_encoders or {})
         self.model = model
         self.stream = stream
-        self.methods = methods
         self.image_processor = image_processor
-        self.tokenizer = tokenizer
         self.args = args
         self.output_dir = Path(args.output_dir)
         self.base_model = model.config._name_or_path or None  # what the run started from, for the model card
         self.model.align_special_tokens(tokenizer)
-        self.results = ResultsMatrix(task_names=stream.task_names, headline_metrics=[
-            task.kind_spec.headline(args.class_scope) for task in stream])
         self.task_callbacks = TaskCallbackHandler(
             [ComputeCallback(), SpatialDisorderCallback(), ModelCardCallback(), HubPushCallback()]
         )
         self.task_callbacks.add(list(task_callbacks or []))
         self.state = StreamState(num_tasks=len(stream))
         self.control = StreamControl()
-        self.global_step = 0  # optimizer steps over the stream so far: the step `training.report_to` logs at
+        #: What the run carries from task to task and across a resume (`hf_ccl.run_state`): what checkpoints save.
+        self.run_state = RunState(
+            results=ResultsMatrix(task_names=stream.task_names, headline_metrics=[
+                task.kind_spec.headline(args.class_scope) for task in stream]),
+            tokenizer=tokenizer,
+            methods=methods,
+            settings=run_settings(args, stream, methods),  # what a resume must match (before anything runs)
+            callbacks=self.task_callbacks.callbacks,
+            allow_changes=list(args.resume_allow_changes),
+            description={"base_model": self.base_model, "seed": args.seed, "training": args.training,
+                         "first_task_epochs": args.first_task_epochs, "card_license": args.card.license},
+        )
         self.stream_logger: StreamLogger | None = None  # one logging run per fit()
-        self.settings = run_settings(args, stream, methods)  # what a resume must match (before anything runs)
-        self.resume_changes: list[dict[str, Any]] = []  # settings changed on purpose at a resume
         self._lock: RunFolderLock | None = None
         self._owns_lock = False
         #: When this run's clock started (`time.time()`): the process's start under `hf-ccl train` (`hf_ccl.run.run`),
@@ -164,6 +170,52 @@ class ContinualLearner:
     def push_report(self) -> PushReport | None:
         """What the Hub pushes of the last `fit()` did (None without `hub.model_id`)."""
         return self.task_callbacks.get(HubPushCallback).report
+
+    # ----- the run's state (`self.run_state`) -------------------------------------------------------------
+    @property
+    def results(self) -> ResultsMatrix:
+        """The results matrix so far."""
+        return self.run_state.results
+
+    @results.setter
+    def results(self, value: ResultsMatrix) -> None:
+        self.run_state.results = value
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer the model trains and evaluates with (a method may grow it)."""
+        return self.run_state.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, value: PreTrainedTokenizerBase) -> None:
+        self.run_state.tokenizer = value
+
+    @property
+    def methods(self) -> list[ContinualMethod]:
+        return self.run_state.methods
+
+    @methods.setter
+    def methods(self, value: list[ContinualMethod]) -> None:
+        self.run_state.methods = value
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps over the stream so far: the step `training.report_to` logs at."""
+        return self.run_state.global_step
+
+    @global_step.setter
+    def global_step(self, value: int) -> None:
+        self.run_state.global_step = value
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """What a resume must match (`hf_ccl.resume_settings.run_settings`)."""
+        return self.run_state.settings
+
+    @property
+    def resume_changes(self) -> list[dict[str, Any]]:
+        """Settings changed on purpose at a resume (`resume_allow_changes`)."""
+        return self.run_state.resume_changes
 
     @property
     def writes_checkpoints(self) -> bool:
@@ -239,7 +291,8 @@ class ContinualLearner:
         self.stream_logger = StreamLogger(self.args.training.get("report_to"), self.output_dir, self.callbacks)
         self.state, self.control = StreamState(num_tasks=len(self.stream)), StreamControl()
         self.encode_pair_tasks()  # with the model the run starts from: its towers are the frozen encoders
-        resumed = checkpointing.find_resume_checkpoint(self)
+        resumed = checkpointing.find_resume_checkpoint(self.args.resume_from_checkpoint, self.output_dir,
+                                                       self.args.hub.model_id, self.args.hub.timeout)
         if resumed is not None:
             first_task = self.restore(resumed) + 1
             self.state.resumed_from = self.state.last_checkpoint = resumed
@@ -259,7 +312,8 @@ class ContinualLearner:
         try:
             self.event("on_stream_begin")
             self._run_tasks(first_task)
-            checkpointing.save_run_files(self)  # current even when a finished run was resumed
+            if self.writes_checkpoints:  # current even when a finished run was resumed
+                checkpointing.save_run_files(self.output_dir, self.results, self._write_outputs)
             self.stream_logger.end(self.global_step, model=self.model)
         except BaseException as raised:
             error = raised
@@ -332,12 +386,19 @@ class ContinualLearner:
     # ----- checkpoints (hf_ccl.checkpointing) -------------------------------------------------------------
     def save_checkpoint(self, index: int) -> Path:
         """Write `output_dir/task-<index>/` atomically (main process; see `hf_ccl.checkpointing`)."""
-        return checkpointing.save_checkpoint(self, index)
+        return checkpointing.save_checkpoint(self.output_dir, index, self.run_state, self.model, self.image_processor,
+                                             self.stream, self.max_length, self._write_outputs)
 
     def restore(self, folder: str | Path) -> int:
-        """Load a task checkpoint: model, tokenizer, method states, results, the callbacks' state. Returns the index
-        of the task it was written after."""
-        return checkpointing.restore(self, folder)
+        """Load a task checkpoint: model, tokenizer, method states, results, the callbacks' state; then the
+        `on_restore` event. Returns the index of the task it was written after."""
+        index = checkpointing.restore(folder, self.run_state, self.model, self.stream.task_names)
+        self.event("on_restore", folder=Path(folder))
+        return index
+
+    def _write_outputs(self, folder: Path, task_folder: bool) -> None:
+        """The task callbacks' files for readers in a checkpoint or the run folder: the `on_save` event."""
+        self.event("on_save", folder=folder, task_folder=task_folder)
 
     def _start_task(self, context: TaskContext) -> None:
         """Task-start hooks. A hook may assign `context.model` and call `context.replace_tokenizer` (a vocabulary
@@ -490,8 +551,8 @@ class ContinualLearner:
             trainer = self._build_trainer(context)
             self._check_task_steps(context, trainer)
         with phase_timer(context.phase_seconds, "train"):
-            trainer.train(resume_from_checkpoint=checkpointing.mid_task_checkpoint(self, trainer.args,
-                                                                                   context.task_index))
+            trainer.train(resume_from_checkpoint=checkpointing.mid_task_checkpoint(
+                self.args.resume_from_checkpoint, trainer.args, context.task_index, self.run_state))
         context.log_history = trainer.state.log_history
         self.global_step += trainer.state.global_step
         return trainer

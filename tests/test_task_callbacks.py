@@ -1,17 +1,23 @@
-"""Task-level callbacks: the events a user callback sees, in order, with what each carries; `should_stop`; and the
-built-in side effects (compute, model card) running as callbacks."""
+"""Task-level callbacks: the events a user callback sees, in order, with what each carries; `should_stop`; the
+built-in side effects (compute, model card) running as callbacks; and the state protocol they share with methods
+(`state_dict` / `load_state_dict`, saved in every checkpoint and given back on resume)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
+import torch
 from transformers import TrainerCallback
 
 from hf_ccl.callbacks import EVENTS, TaskCallback
+from hf_ccl.checkpoint_files import write_manifest
+from hf_ccl.checkpointing import restore_states, save_states
+from hf_ccl.compute import ComputeCallback
 from hf_ccl.continual import ContinualArguments, ContinualLearner
 from hf_ccl.data import build_stream, load_image_processor, load_tokenizer
-from hf_ccl.methods import build_methods
+from hf_ccl.methods import build_methods, save_method_states
 from hf_ccl.testing import tiny_clip
 
 
@@ -41,12 +47,30 @@ def _make_recorder_class() -> type[Recorder]:
     return type("EventRecorder", (Recorder,), {event: handler(event) for event in EVENTS})
 
 
-def _learner(tmp_path, callbacks, tasks: int = 2) -> ContinualLearner:
+class Counter(TaskCallback):
+    """A user callback with state: the tasks it saw, and a tensor."""
+
+    def __init__(self) -> None:
+        self.tasks: list[str] = []
+        self.total = torch.zeros(2)
+
+    def on_task_end(self, args, state, control, **kwargs):  # noqa: ANN001
+        self.tasks.append(state.task_name)
+        self.total += 1
+
+    def state_dict(self) -> dict:
+        return {"tasks": list(self.tasks), "total": self.total}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.tasks, self.total = list(state["tasks"]), state["total"].clone()
+
+
+def _learner(tmp_path, callbacks, tasks: int = 2, **options) -> ContinualLearner:
     stream = build_stream("digits", max_train_per_task=16, max_eval_per_task=8)
     stream.tasks = stream.tasks[:tasks]
     args = ContinualArguments(
         output_dir=str(tmp_path / "run"), progress=False, evaluation={"initial": False},
-        training={"per_device_train_batch_size": 8, "num_train_epochs": 1, "logging_steps": 1},
+        training={"per_device_train_batch_size": 8, "num_train_epochs": 1, "logging_steps": 1}, **options,
     )
     return ContinualLearner(tiny_clip(seed=0), stream, build_methods("finetune"), load_image_processor(32),
                             load_tokenizer(), args, task_callbacks=callbacks)
@@ -73,12 +97,60 @@ def test_events_in_order_with_their_arguments(tmp_path):
         record.optimizer_steps for record in learner.compute]
 
 
-def test_should_stop_ends_the_stream_after_the_task(tmp_path):
-    learner = _learner(tmp_path, [_make_recorder_class()(stop_after=0)])
+def test_should_stop_ends_the_stream_after_the_task_and_a_resume_restores_every_callback_state(tmp_path):
+    learner = _learner(tmp_path, [_make_recorder_class()(stop_after=0), Counter()])
     matrix = learner.fit()
     assert (tmp_path / "run" / "task-0" / "checkpoint_manifest.json").exists()
     assert not (tmp_path / "run" / "task-1").exists()
     assert [row.label for row in matrix.rows] == [learner.stream[0].name]
+    saved = json.loads((tmp_path / "run" / "task-0" / "callback_state.json").read_text())
+    assert set(saved) == {"compute", "spatial_disorder", "Counter"}  # the stateful ones, by state_key
+    # the resumed run's callbacks start from their saved state, through the same protocol as the methods'
+    counter = Counter()
+    resumed = _learner(tmp_path, [counter], resume_from_checkpoint=True)
+    resumed.fit()
+    names = [task.name for task in resumed.stream]
+    assert counter.tasks == names and counter.total.tolist() == [2.0, 2.0]
+    assert [record.task for record in resumed.compute] == names
+    saved_seconds = {phase: value for phase, value in learner.compute[0].seconds.items() if phase != "checkpoint"}
+    assert resumed.compute[0].seconds == saved_seconds  # task 0's record, as saved (before its checkpoint's time)
+    assert resumed.global_step == 4
+
+
+def test_a_checkpoint_without_callback_state_restores_the_built_in_callbacks_from_their_files(tmp_path):
+    """Checkpoints written before the callbacks' state protocol (no callback_state.json) keep resuming: compute
+    records from compute.json, the spatial-disorder reference from its safetensors file; a user callback starts
+    afresh."""
+    from safetensors.torch import save_file
+
+    from hf_ccl.evaluation.spatial_disorder import REFERENCE_FILE, SpatialDisorderCallback
+
+    folder = tmp_path / "task-0"
+    folder.mkdir()
+    records = {"tasks": [{"task": "a", "optimizer_steps": 3, "global_batch": 8, "samples_seen": 24, "macs": 1.0}],
+               "run": {"startup_seconds": 2.0, "initial_eval_seconds": 0.5, "launches": 1}}
+    (folder / "compute.json").write_text(json.dumps(records))
+    save_file({"images": torch.ones(2, 4), "texts": torch.zeros(2, 4), "correct": torch.tensor([True, False])},
+              str(folder / REFERENCE_FILE))
+    save_method_states([], folder)  # the methods' file, as every checkpoint has
+    compute, disorder, counter = ComputeCallback(), SpatialDisorderCallback(), Counter()
+    restore_states(folder, [], [compute, disorder, counter])
+    assert [(r.task, r.optimizer_steps) for r in compute.records] == [("a", 3)] and compute.run.launches == 1
+    assert disorder.reference is not None and disorder.reference.correct.tolist() == [True, False]
+    assert counter.tasks == []
+    # written through the protocol, the same states come back
+    save_states(folder, [], [compute, disorder, counter])
+    write_manifest(folder)
+    again = ComputeCallback(), SpatialDisorderCallback(), Counter()
+    restore_states(folder, [], list(again))
+    assert again[0].records == compute.records and again[0].run == compute.run
+    assert torch.equal(again[1].reference.images, disorder.reference.images)
+    shutil.rmtree(folder)
+
+
+def test_two_callbacks_saving_state_under_one_key_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="Counter and Counter both save their state as 'Counter'"):
+        _learner(tmp_path, [Counter(), Counter()])
 
 
 def test_stream_end_sees_the_error(tmp_path):

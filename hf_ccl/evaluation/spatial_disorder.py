@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ..callbacks import StreamControl, StreamState, TaskCallback
 from ..distributed import is_main_process
@@ -349,6 +349,7 @@ def plot_spatial_disorder(
     return path
 
 
+#: Where checkpoints written before the callbacks' state protocol kept the reference embeddings (`disorder_state`).
 REFERENCE_FILE = "spatial_disorder_reference.safetensors"
 RESULTS_FILE = "spatial_disorder.json"
 
@@ -357,7 +358,9 @@ class SpatialDisorderCallback(TaskCallback):
     """Mod-X's spatial-disorder diagnostics during a run (`diagnostics.spatial_disorder_task`): the initial model's
     embeddings of that task's eval split are the reference, and after every task the current model is compared
     with it. Written to `spatial_disorder.json` (and `.png`) in every checkpoint and the run folder; the reference
-    is kept in each checkpoint, so a resumed run goes on comparing with the same one."""
+    is its state (`state_dict`, with the results), so a resumed run goes on comparing with the same one."""
+
+    state_key = "spatial_disorder"
 
     def __init__(self) -> None:
         self.reference: DisorderEmbeddings | None = None
@@ -371,7 +374,9 @@ class SpatialDisorderCallback(TaskCallback):
         )
 
     def on_stream_begin(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
-        if args.diagnostics.spatial_disorder_task is not None and state.resumed_from is None and is_main_process():
+        if args.diagnostics.spatial_disorder_task is None:  # (turned off at a resume: what was restored is dropped)
+            self.reference, self.results = None, {}
+        elif state.resumed_from is None and is_main_process():
             self.reference = self._embed(args, kwargs["learner"])
 
     def on_task_evaluated(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
@@ -383,32 +388,48 @@ class SpatialDisorderCallback(TaskCallback):
         )
 
     def on_save(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
-        folder = Path(kwargs["folder"])
-        if self.results:
-            payload = {label: result.to_dict() for label, result in self.results.items()}
-            write_text_atomic(folder / RESULTS_FILE, json.dumps(payload, indent=2) + "\n")
-            plot = folder / "spatial_disorder.png"
-            if plot.is_symlink():  # never written through a link planted in the run folder
-                plot.unlink()
-            try:
-                plot_spatial_disorder(self.results, plot)
-            except ImportError:
-                logger.info("matplotlib is not installed: spatial_disorder.png not written")
-        if kwargs["task_folder"] and self.reference is not None:
-            reference = self.reference
-            save_file({"images": reference.images.contiguous(), "texts": reference.texts.contiguous(),
-                       "correct": reference.correct.contiguous()}, str(folder / REFERENCE_FILE))
-
-    def on_restore(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
-        folder = Path(kwargs["folder"])
-        if args.diagnostics.spatial_disorder_task is None or not (folder / REFERENCE_FILE).exists() or not is_main_process():
+        """The results for readers (`spatial_disorder.json` and `.png`); a resume reads `state_dict`."""
+        if not self.results:
             return
+        folder = Path(kwargs["folder"])
+        payload = {label: result.to_dict() for label, result in self.results.items()}
+        write_text_atomic(folder / RESULTS_FILE, json.dumps(payload, indent=2) + "\n")
+        plot = folder / "spatial_disorder.png"
+        if plot.is_symlink():  # never written through a link planted in the run folder
+            plot.unlink()
         try:
-            tensors = load_file(str(folder / REFERENCE_FILE))
-            saved = json.loads((folder / RESULTS_FILE).read_text(encoding="utf-8")) \
-                if (folder / RESULTS_FILE).exists() else {}
-        except Exception as error:  # safetensors raises its own error types for truncated or corrupt files
-            raise ValueError(f"Cannot read the spatial-disorder files in {folder} (truncated or corrupt?): "
-                             f"{error}") from error
-        self.reference = DisorderEmbeddings(tensors["images"], tensors["texts"], tensors["correct"])
-        self.results = {label: SpatialDisorder.from_dict(value) for label, value in saved.items()}
+            plot_spatial_disorder(self.results, plot)
+        except ImportError:
+            logger.info("matplotlib is not installed: spatial_disorder.png not written")
+
+    def state_dict(self) -> dict[str, Any]:
+        """The reference embeddings (on the main process; None elsewhere or when off) and the results so far."""
+        reference = self.reference
+        return {"reference": None if reference is None else {
+                    "images": reference.images, "texts": reference.texts, "correct": reference.correct},
+                "results": {label: result.to_dict() for label, result in self.results.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Only the main process measures: elsewhere the state stays empty."""
+        if not is_main_process():
+            return
+        reference = state["reference"]
+        self.reference = None if reference is None else DisorderEmbeddings(
+            reference["images"], reference["texts"], reference["correct"])
+        self.results = {label: SpatialDisorder.from_dict(value) for label, value in state["results"].items()}
+
+
+def disorder_state(folder: str | Path) -> dict[str, Any]:
+    """`SpatialDisorderCallback`'s state from the files of a checkpoint written before the callbacks' state
+    protocol (`callback_state.json`): its reference embeddings and results (empty when it had none)."""
+    folder = Path(folder)
+    if not (folder / REFERENCE_FILE).exists():
+        return {"reference": None, "results": {}}
+    try:
+        tensors = load_file(str(folder / REFERENCE_FILE))
+        saved = json.loads((folder / RESULTS_FILE).read_text(encoding="utf-8")) \
+            if (folder / RESULTS_FILE).exists() else {}
+    except Exception as error:  # safetensors raises its own error types for truncated or corrupt files
+        raise ValueError(f"Cannot read the spatial-disorder files in {folder} (truncated or corrupt?): "
+                         f"{error}") from error
+    return {"reference": {key: tensors[key] for key in ("images", "texts", "correct")}, "results": saved}
