@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 EVENTS = (
     "on_stream_begin", "on_task_begin", "on_train_begin", "on_task_trained", "on_task_evaluated", "on_task_end",
@@ -106,6 +106,9 @@ class TaskCallback:
     def on_stream_end(self, args: Any, state: StreamState, control: StreamControl, **kwargs: Any) -> None: ...
 
 
+CallbackT = TypeVar("CallbackT", bound=TaskCallback)
+
+
 @dataclass
 class TaskCallbackHandler:
     """Calls one event on every callback, in order (as transformers' `CallbackHandler`)."""
@@ -123,7 +126,7 @@ class TaskCallbackHandler:
         stateful_callbacks([*self.callbacks, *callbacks])  # two under one state key fail here, before anything runs
         self.callbacks.extend(callbacks)
 
-    def get(self, kind: type[TaskCallback]) -> TaskCallback | None:
+    def get(self, kind: type[CallbackT]) -> CallbackT | None:
         """The first callback of type `kind`, or None."""
         return next((callback for callback in self.callbacks if isinstance(callback, kind)), None)
 

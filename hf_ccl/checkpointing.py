@@ -19,14 +19,14 @@ import os
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 from safetensors import safe_open
 from safetensors.torch import load_file
-from transformers import PretrainedConfig, PreTrainedTokenizerBase, TrainingArguments
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, TrainingArguments
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from .callbacks import (
@@ -204,9 +204,9 @@ def same_tokenizer(one: PreTrainedTokenizerBase, other: PreTrainedTokenizerBase)
     `model_max_length`."""
     if one.model_max_length != other.model_max_length:
         return False
-    backends = [getattr(tokenizer, "backend_tokenizer", None) for tokenizer in (one, other)]
-    if all(backend is not None for backend in backends):
-        first, second = (json.loads(backend.to_str()) for backend in backends)
+    one_backend, other_backend = (getattr(tokenizer, "backend_tokenizer", None) for tokenizer in (one, other))
+    if one_backend is not None and other_backend is not None:
+        first, second = (json.loads(backend.to_str()) for backend in (one_backend, other_backend))
         for data in (first, second):
             data.pop("padding", None)
             data.pop("truncation", None)
@@ -223,9 +223,9 @@ def mid_task_checkpoint(request: bool | str | None, training_args: TrainingArgum
     task starts from its beginning."""
     if request in (None, False):
         return None
-    trainer_dir = Path(training_args.output_dir)
-    found = newest_complete_trainer_checkpoint(trainer_dir) if is_main_process() else None
-    found = broadcast_object(found)
+    trainer_dir = Path(str(training_args.output_dir))
+    found = cast("str | None", broadcast_object(newest_complete_trainer_checkpoint(trainer_dir)
+                                                if is_main_process() else None))
     if found is None and training_args.push_to_hub:
         found = download_training_checkpoint(training_args, trainer_dir, task_index)
     if found is not None:
@@ -242,7 +242,7 @@ def download_training_checkpoint(training_args: TrainingArguments, trainer_dir: 
     """Fetch `last-checkpoint/` from the Trainer's Hub branch into trainer_dir (main process; others wait); None
     when there is none or it was written during another (earlier) task."""
     target = trainer_dir / "checkpoint-hub"
-    if is_main_process():
+    if is_main_process() and training_args.hub_model_id is not None:
         try:
             snapshot_download(training_args.hub_model_id, revision=training_args.hub_revision,
                               allow_patterns=["last-checkpoint/*"], local_dir=str(target))
@@ -433,7 +433,7 @@ def newest_complete_trainer_checkpoint(trainer_dir: Path) -> str | None:
 
 
 
-def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
+def load_model_weights(model: PreTrainedModel, folder: Path) -> None:
     """Load a checkpoint's weights into `model` (strict), growing the token embedding (and the text position embedding)
     first if the vocabulary (or the context) grew. The weights are the files the checkpoint wrote
     (`checkpoint_weight_files`): one `model.safetensors`, or the shards its index names; every problem is an error
@@ -441,10 +441,11 @@ def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
     files = checkpoint_weight_files(folder)
     shapes = _saved_shapes(files)
     token_key = f"{getattr(model, 'token_embedding_path', 'text_model.embeddings.token_embedding')}.weight"
-    if token_key in shapes and shapes[token_key][0] != model.get_input_embeddings().weight.shape[0]:
+    token_rows = cast(torch.nn.Embedding, model.get_input_embeddings()).weight.shape[0]
+    if token_key in shapes and shapes[token_key][0] != token_rows:
         model.resize_token_embeddings(shapes[token_key][0])
     position_path = position_table_path(model)
-    table = model.get_submodule(position_path)
+    table = cast(torch.nn.Embedding, model.get_submodule(position_path))
     saved_rows = shapes.get(f"{position_path}.weight", (0,))[0]
     if saved_rows > table.num_embeddings:  # a context grown by `grow_vocab` (a table may hold offset rows)
         offset = table.num_embeddings - getattr(model, "max_text_positions", table.num_embeddings)

@@ -164,12 +164,14 @@ class ContinualLearner:
     @property
     def compute(self) -> list[TaskCompute]:
         """Samples seen and MACs of every trained task (`ComputeCallback`)."""
-        return self.task_callbacks.get(ComputeCallback).records
+        callback = self.task_callbacks.get(ComputeCallback)
+        return callback.records if callback is not None else []
 
     @property
     def push_report(self) -> PushReport | None:
         """What the Hub pushes of the last `fit()` did (None without `hub.model_id`)."""
-        return self.task_callbacks.get(HubPushCallback).report
+        callback = self.task_callbacks.get(HubPushCallback)
+        return callback.report if callback is not None else None
 
     # ----- the run's state (`self.run_state`) -------------------------------------------------------------
     @property
