@@ -140,6 +140,8 @@ def test_the_package_has_no_import_circle(graph):
 def test_every_module_has_a_layer_and_imports_nothing_above_it(graph):
     unplaced = [module for module in graph if _unplaced(module)]
     assert not unplaced, f"modules in no layer (add them to LAYERS): {unplaced}"
+    stale = [entry for _, entries in LAYERS for entry in entries if entry not in graph]
+    assert not stale, f"LAYERS names modules that are gone: {stale}"
     assert upward_imports(graph) == []
 
 
