@@ -194,6 +194,7 @@ class ContinualLearner:
 
     @property
     def methods(self) -> list[ContinualMethod]:
+        """The methods, in order (each one's state is saved in every checkpoint)."""
         return self.run_state.methods
 
     @methods.setter
