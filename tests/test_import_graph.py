@@ -19,8 +19,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hf_ccl"
 #: package `hf_ccl` (the public API, which imports everything lazily) is itself only. A new module goes into the
 #: lowest layer that holds everything it imports. `callbacks` is the callbacks' protocol (`TaskCallback`, no
 #: imports); the built-in callbacks live beside their code (`hub`, `cards` above, `compute` and
-#: `evaluation.spatial_disorder` in the components). (`arguments`, `checks`, `catalog`: modules other changes of
-#: issue 27 add, placed ahead.)
+#: `evaluation.spatial_disorder` in the components). (`catalog`: a module another change of issue 27 adds, placed
+#: ahead.)
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("entry points", ("hf_ccl", "hf_ccl.cli", "hf_ccl.run", "hf_ccl.testing")),
     ("the loop", ("hf_ccl.continual", "hf_ccl.config")),
@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                     "hf_ccl.accumulation", "hf_ccl.step_meter", "hf_ccl.catalog")),
     ("utilities", ("hf_ccl.callbacks", "hf_ccl.state_files", "hf_ccl.checkpoint_files", "hf_ccl.distributed",
                    "hf_ccl.files", "hf_ccl.paths", "hf_ccl.safe_yaml", "hf_ccl.validation", "hf_ccl.training_options",
-                   "hf_ccl.version", "hf_ccl.arguments")),
+                   "hf_ccl.version", "hf_ccl.arguments", "hf_ccl.training_defaults")),
 ]
 
 
