@@ -359,7 +359,7 @@ class ContinualLearner:
             trainer = self._train_task(context)
             with phase_timer(clock, "after_training"):
                 for method in self.methods:
-                    self._take_changes(context, method.after_training(context), method, "after_training")
+                    self._run_hook(context, method, "after_training")
             self.event("on_task_trained", context=context, trainer=trainer)
             if evaluated_after(index, len(self.stream), self.args.evaluation.every):
                 with phase_timer(clock, "eval"):
@@ -372,6 +372,7 @@ class ContinualLearner:
                 for method in self.methods:
                     method.on_task_end(context)
             self.event("on_task_end", context=context)
+            assert self.stream_logger is not None  # (one per fit())
             self.stream_logger.log_results(self.results, task.name, self.global_step, self.compute)
             if self.writes_checkpoints:
                 with phase_timer(clock, "checkpoint"):
@@ -411,17 +412,19 @@ class ContinualLearner:
 
         set_seed(context.seed)
         for method in self.methods:
-            self._take_changes(context, method.on_task_start(context), method, "on_task_start")
+            self._run_hook(context, method, "on_task_start")
 
-    def _take_changes(self, context: TaskContext, returned: Any, method: ContinualMethod, hook: str) -> None:
-        """Adopt the model, tokenizer and token limit a hook left in `context`. A model returned by the hook (the
-        interface before `context.model` was assignable) is taken too, with a deprecation warning."""
+    def _run_hook(self, context: TaskContext, method: ContinualMethod, hook: str) -> None:
+        """Call `method.<hook>(context)` and adopt the model, tokenizer and token limit it left in `context`. A model
+        the hook returned (the interface before `context.model` was assignable; the hooks are declared to return
+        None) is taken too, with a deprecation warning."""
+        returned = getattr(method, hook)(context)
         if returned is not None:
             warnings.warn(f"{type(method).__name__}.{hook} returned a model: assign context.model instead (returning "
                           "one is deprecated)", FutureWarning, stacklevel=2)
             context.model = returned
         self.model = context.model
-        if context.tokenizer is not self.tokenizer:
+        if context.tokenizer is not None and context.tokenizer is not self.tokenizer:
             self.tokenizer = context.tokenizer
             self.model.align_special_tokens(self.tokenizer)
 
@@ -510,6 +513,7 @@ class ContinualLearner:
     def _budget_steps(self, values: dict[str, Any]) -> int:
         """Optimizer steps that spend exactly `samples_per_task` examples at this run's global batch."""
         batch = global_batch_size(values)
+        assert self.args.samples_per_task is not None  # called only with a budget
         steps, rest = divmod(self.args.samples_per_task, batch)
         if rest or steps == 0:
             raise ValueError(
@@ -582,6 +586,7 @@ class ContinualLearner:
         context.train_dataset = train_dataset
         context.per_device_batch_size = training_args.per_device_train_batch_size
         if training_args.push_to_hub and is_main_process():
+            assert training_args.hub_model_id is not None and training_args.hub_revision is not None  # (set above)
             ensure_branch(training_args.hub_model_id, training_args.hub_revision, private=self.args.hub.private,
                           retries=self.args.hub.retries, backoff=self.args.hub.backoff)
         trainer = ContinualTrainer(
@@ -593,6 +598,7 @@ class ContinualLearner:
             context=context,
             callbacks=self.callbacks,
         )
+        assert self.stream_logger is not None  # (one per fit())
         self.stream_logger.attach(trainer, offset=self.global_step)
         self.event("on_train_begin", context=context, trainer=trainer, collator=collator, train_dataset=train_dataset)
         return trainer
