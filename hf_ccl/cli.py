@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from .catalog import method_names, stream_names
 from .config import (
     available_recipes,
     config_keys_help,
@@ -128,16 +129,14 @@ def _push_command(run_dir: str, repo: str, retries: int, timeout: float, debug: 
 
 
 def list_main() -> int:
-    from .data.named import NAMED_STREAMS
-    from .methods import available_methods
-
+    """Print the shipped recipes, the named streams and the methods (names read from the source: no torch)."""
     recipes = available_recipes()
     width = max(map(len, recipes), default=0)
     print("recipes (hf-ccl train --config NAME):")
     for name, path in recipes.items():
         print(f"  {name:<{width}}  {recipe_description(path)}")
-    print("streams:", ", ".join(sorted(NAMED_STREAMS)))
-    print("methods:", ", ".join(available_methods()))
+    print("streams:", ", ".join(stream_names()))
+    print("methods:", ", ".join(method_names()))
     return 0
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from .arguments import RENAMED_KEYS, SECTIONS, ContinualArguments, check_renamed_keys
+from .catalog import family_names
 from .files import write_text_atomic
 from .safe_yaml import YAMLSizeError, load_yaml
 from .validation import (
@@ -35,8 +36,9 @@ from .validation import (
 #: training section's defaults are the loop's, `hf_ccl.training_options.default_training`, which a given section
 #: extends, from YAML, the command line and Python alike.)
 CONFIG_DEFAULTS: dict[str, Callable[[], Any]] = {"output_dir": lambda: "outputs/run"}
-#: The model families, for the help of `model` (`hf_ccl.families.FAMILIES` imports torch; a test keeps them equal).
-FAMILY_NAMES = ("clip", "siglip", "siglip2", "altclip", "chinese_clip", "metaclip_2")
+#: The model families, for the help of `model`, read from families.py's source (`hf_ccl.families.FAMILIES` imports
+#: torch; a test keeps them equal).
+FAMILY_NAMES = family_names()
 
 
 def with_loop_fields(cls: type) -> type:
