@@ -6,6 +6,10 @@ PY := $(VENV)/bin/python
 CONFIG ?= recipes/configs/digits.yaml
 # The demo run replaces its previous run folder; any ARGS of yours replace this (e.g. ARGS=resume_from_checkpoint=true).
 ARGS ?= overwrite_output_dir=true
+# The test suite runs on this many processes (pytest-xdist; each test module stays on one, so its module-scoped runs
+# are built once; each worker uses one thread, tests/conftest.py). 1: one process, no xdist.
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL := $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 .PHONY: install run test test-all lint docs bench clean
 
@@ -21,10 +25,10 @@ run: install
 	$(PY) recipes/train.py --config $(CONFIG) $(ARGS)
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_PARALLEL)
 
 test-all: install
-	$(PY) -m pytest -q -m "slow or not slow"
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) -m "slow or not slow"
 
 lint: install
 	$(VENV)/bin/ruff check .

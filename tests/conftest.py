@@ -8,6 +8,11 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
+# Under pytest-xdist (`make test` runs `-n 2`), each worker is one of the machine's cores: one thread each (set
+# before torch is imported), so that two workers do not fight over the cores.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 from transformers import AutoTokenizer, CLIPImageProcessorPil  # noqa: E402
