@@ -17,6 +17,7 @@ import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 from importlib import resources
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
@@ -421,6 +422,15 @@ def _template_text(template_path: str | Path | None) -> str:
     return resources.files("hf_ccl").joinpath("model_cards").joinpath(TEMPLATE_NAME).read_text(encoding="utf-8")
 
 
+@lru_cache(maxsize=8)
+def _compiled_template(text: str) -> jinja2.Template:
+    """A card template compiled once per text (compiling costs more than rendering: once per task otherwise)."""
+    environment = jinja2.Environment(
+        trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, undefined=jinja2.StrictUndefined
+    )
+    return environment.from_string(text)
+
+
 def build_model_card(
     checkpoint_dir: str | Path, repo_id: str | None = None, *, template_path: str | Path | None = None
 ) -> ModelCard:
@@ -512,10 +522,7 @@ def build_model_card(
         "resume_changes": [(change.get("after_task"), _cell(change.get("key")), _value(change.get("saved")),
                             _value(change.get("now"))) for change in state.get("resume_changes") or []],
     }
-    environment = jinja2.Environment(
-        trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, undefined=jinja2.StrictUndefined
-    )
-    content = environment.from_string(_template_text(template_path)).render(**context)
+    content = _compiled_template(_template_text(template_path)).render(**context)
     return ModelCard(content)
 
 

@@ -162,6 +162,14 @@ def test_plot_heatmap(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     path = plot_matrix_heatmap(_matrix(n_rows=2), tmp_path / "plots" / "matrix.png")
     assert path.is_file() and path.stat().st_size > 1000
+    # drawn once (hf_ccl.evaluation.plots.save_png): the pixels matplotlib's savefig gives, in two draws
+    from PIL import Image
+
+    from hf_ccl.evaluation.plots import matrix_heatmap_figure
+
+    matrix_heatmap_figure(_matrix(n_rows=2)).savefig(tmp_path / "savefig.png", dpi=120)
+    drawn_once, saved = (np.asarray(Image.open(p).convert("RGBA")) for p in (path, tmp_path / "savefig.png"))
+    assert drawn_once.shape == saved.shape and np.array_equal(drawn_once, saved)
 
 
 def test_heatmap_colour_scale_is_fixed_at_0_to_100() -> None:
