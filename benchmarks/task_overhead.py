@@ -54,6 +54,8 @@ def timed_parts(seconds: dict[str, list[float]]) -> Iterator[None]:
     """Wrap each of `PARTS` wherever an hf_ccl module holds it, adding each call's wall time to `seconds`."""
     import importlib
 
+    importlib.import_module("hf_ccl.run")  # every module of a run first: one imported later would keep a wrapper
+
     undo: list[tuple[Any, str, Any]] = []
     for module_name, attribute, label in PARTS:
         owner: Any = importlib.import_module(module_name)
