@@ -49,11 +49,20 @@ def _decorator_name(node: ast.expr) -> str:
     return target.id if isinstance(target, ast.Name) else ""
 
 
+def _assignment(statement: ast.stmt) -> tuple[list[str], ast.expr | None]:
+    """The names a statement assigns (`x = ...`, `x: T = ...`) and the value; ([], None) for any other statement."""
+    if isinstance(statement, ast.Assign):
+        return [t.id for t in statement.targets if isinstance(t, ast.Name)], statement.value
+    if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name):
+        return [statement.target.id], statement.value
+    return [], None
+
+
 def _class_attribute(node: ast.ClassDef, attribute: str, constants: dict[str, str]) -> str | None:
     for item in node.body:
-        targets = item.targets if isinstance(item, ast.Assign) else [item.target] if isinstance(item, ast.AnnAssign) else []
-        if any(isinstance(t, ast.Name) and t.id == attribute for t in targets) and item.value is not None:
-            return _text(item.value, constants)
+        names, value = _assignment(item)
+        if attribute in names and value is not None:
+            return _text(value, constants)
     return None
 
 
@@ -98,17 +107,17 @@ def _scan_families() -> list[str]:
     families_tree = _tree(PACKAGE / "families.py")
     listed: list[str] = []
     for node in families_tree.body:
-        target = node.target if isinstance(node, ast.AnnAssign) else node.targets[0] if isinstance(node, ast.Assign) else None
-        if isinstance(target, ast.Name) and target.id == "FAMILIES" and node.value is not None:
-            listed = [n.id for n in ast.walk(node.value) if isinstance(n, ast.Name) and n.id[:1].isupper()]
+        names, value = _assignment(node)
+        if "FAMILIES" in names and value is not None:
+            listed = [n.id for n in ast.walk(value) if isinstance(n, ast.Name) and n.id[:1].isupper()]
     family: dict[str, str] = {}
     for tree in (families_tree, _tree(PACKAGE / "modeling.py")):
         constants = _constants(tree)
         for node in tree.body:
             if isinstance(node, ast.ClassDef):
-                value = _class_attribute(node, "family", constants)
-                if value is not None:
-                    family[node.name] = value
+                name = _class_attribute(node, "family", constants)
+                if name is not None:
+                    family[node.name] = name
     if not listed or any(name not in family for name in listed):
         raise _Unreadable("FAMILIES")
     return [family[name] for name in listed]

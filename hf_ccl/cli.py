@@ -261,7 +261,7 @@ def _report_interrupt(
     if config is None:
         _print(f"hf-ccl: interrupted by {how} before the run started: nothing was written")
         return
-    last = latest_task_checkpoint(config.output_dir, warn=False)
+    last: Path | str | None = latest_task_checkpoint(config.output_dir, warn=False)
     if last is not None:
         where = f"The last complete task checkpoint is {last}"
     else:  # the first task's own Trainer checkpoints (`save_strategy`) resume it too
