@@ -5,10 +5,12 @@ size 32 and one layer, 3 optimizer steps of 16 examples per task, 20 eval rows p
 warm-up run (imports, matplotlib's fonts), `--runs` times per variant, and reports per task:
 - the loop's phases (`compute.json` "seconds": setup, train, eval, checkpoint, ...),
 - inside the checkpoint: the model's and processor's save, the model card (its heatmap and its text), the
-  manifest (each timed by wrapping the function where the package calls it).
+  manifest (each timed by wrapping the function where the package calls it),
+- once per run: loading the tokenizer and building the stream.
 
 Variants: `now` (this checkout) and `before` (the cuts of issue 27 undone in-process: the card template compiled
-for every card, the heatmap saved with `savefig`, which draws a constrained-layout figure twice).
+for every card, the heatmap saved with `savefig`, which draws a constrained-layout figure twice, the tokenizer
+read from its folder at every load instead of copied from the first read).
 
     python benchmarks/task_overhead.py [--runs 3]
 """
@@ -38,6 +40,11 @@ OVERRIDES = [
     "stream_args.max_train_per_task=48", "stream_args.max_eval_per_task=20", "methods=[finetune]",
     "model.config.hidden_size=32", "model.config.num_layers=1",
 ]
+#: Functions timed once per run (seconds per run, not per task): (module, attribute, label).
+RUN_PARTS = [
+    ("hf_ccl.data.collate", "load_tokenizer", "tokenizer load (per run)"),
+    ("hf_ccl.data.named", "build_stream", "stream build (per run)"),
+]
 #: Functions timed inside the checkpoint phase: (module, attribute, label).
 PARTS = [
     ("hf_ccl.modeling", "ContinualDualEncoder.save_pretrained", "model save_pretrained"),
@@ -50,37 +57,52 @@ PARTS = [
 
 
 @contextlib.contextmanager
-def timed_parts(seconds: dict[str, list[float]]) -> Iterator[None]:
-    """Wrap each of `PARTS` wherever an hf_ccl module holds it, adding each call's wall time to `seconds`."""
+def replaced(module_name: str, attribute: str, make: Callable[[Any], Any]) -> Iterator[None]:
+    """Replace `module.attribute` (a dotted path inside the module) by `make(original)` wherever an hf_ccl module
+    holds it (`from .x import f` copies), for the duration of the block."""
     import importlib
 
-    importlib.import_module("hf_ccl.run")  # every module of a run first: one imported later would keep a wrapper
-
-    undo: list[tuple[Any, str, Any]] = []
-    for module_name, attribute, label in PARTS:
-        owner: Any = importlib.import_module(module_name)
-        *path, name = attribute.split(".")
-        for part in path:
-            owner = getattr(owner, part)
-        original = getattr(owner, name)
-
-        def wrapper(*args: Any, _original: Callable = original, _label: str = label, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                seconds[_label].append(time.perf_counter() - start)
-
-        holders = [owner] + [m for key, m in list(sys.modules.items())
-                             if key.startswith("hf_ccl") and m is not owner and getattr(m, name, None) is original]
-        for holder in holders:
-            undo.append((holder, name, original))
-            setattr(holder, name, wrapper)
+    importlib.import_module("hf_ccl.run")  # every module of a run first: one imported later would keep a copy
+    owner: Any = importlib.import_module(module_name)
+    *path, name = attribute.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    original = getattr(owner, name)
+    holders = [owner] + [m for key, m in list(sys.modules.items())
+                         if key.startswith("hf_ccl") and m is not owner and getattr(m, name, None) is original]
+    replacement = make(original)
+    for holder in holders:
+        setattr(holder, name, replacement)
     try:
         yield
     finally:
-        for holder, name, original in reversed(undo):
+        for holder in holders:
             setattr(holder, name, original)
+
+
+def timer(label: str, seconds: dict[str, list[float]]) -> Callable[[Callable], Callable]:
+    """A wrapper factory for `replaced`: the wrapped function's calls add their wall time to `seconds[label]`."""
+
+    def make(original: Callable) -> Callable:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                seconds[label].append(time.perf_counter() - start)
+
+        return wrapper
+
+    return make
+
+
+@contextlib.contextmanager
+def timed_parts(seconds: dict[str, list[float]]) -> Iterator[None]:
+    """Time each of `PARTS` and `RUN_PARTS` wherever the package calls it."""
+    with contextlib.ExitStack() as stack:
+        for module_name, attribute, label in PARTS + RUN_PARTS:
+            stack.enter_context(replaced(module_name, attribute, timer(label, seconds)))
+        yield
 
 
 @contextlib.contextmanager
@@ -88,24 +110,32 @@ def before_cuts() -> Iterator[None]:
     """The per-task work as it was before issue 27's cuts (see the module docstring)."""
     import jinja2
 
-    from hf_ccl import cards
-    from hf_ccl.evaluation import plots
+    from hf_ccl.data import collate
+    from hf_ccl.paths import check_default_tokenizer
 
-    def compile_every_time(text: str) -> jinja2.Template:
-        environment = jinja2.Environment(
-            trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, undefined=jinja2.StrictUndefined
-        )
-        return environment.from_string(text)
+    def compile_every_time(original: Callable) -> Callable:
+        def compile_template(text: str) -> jinja2.Template:
+            environment = jinja2.Environment(
+                trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, undefined=jinja2.StrictUndefined
+            )
+            return environment.from_string(text)
 
-    def savefig(figure: Any, path: Path, dpi: int) -> None:
-        figure.savefig(path, dpi=dpi)
+        return compile_template
 
-    saved = cards._compiled_template, plots.save_png
-    cards._compiled_template, plots.save_png = compile_every_time, savefig
-    try:
+    def savefig(original: Callable) -> Callable:
+        return lambda figure, path, dpi: figure.savefig(path, dpi=dpi)
+
+    def read_every_time(original: Callable) -> Callable:
+        def load_tokenizer(name_or_path: Any = None, **hub_kwargs: Any) -> Any:
+            return collate._read_tokenizer(str(name_or_path or check_default_tokenizer()), **hub_kwargs)
+
+        return load_tokenizer
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(replaced("hf_ccl.cards", "_compiled_template", compile_every_time))
+        stack.enter_context(replaced("hf_ccl.evaluation.plots", "save_png", savefig))
+        stack.enter_context(replaced("hf_ccl.data.collate", "load_tokenizer", read_every_time))
         yield
-    finally:
-        cards._compiled_template, plots.save_png = saved
 
 
 def one_run(folder: Path) -> dict[str, float]:
@@ -125,6 +155,8 @@ def one_run(folder: Path) -> dict[str, float]:
         row[phase] = statistics.mean(task["seconds"][phase] for task in tasks)
     for _, _, label in PARTS:
         row[label] = sum(parts[label]) / len(tasks)
+    for _, _, label in RUN_PARTS:
+        row[label] = sum(parts[label])
     return row
 
 
@@ -149,7 +181,8 @@ def main() -> None:
         "A tiny digits run (5 tasks; CLIP hidden 32, 1 layer; 3 steps of 16 examples and 20 eval rows per task; "
         "method finetune), in one process after a warm-up run; median of "
         f"{args.runs} runs per variant, seconds per task (wall). `before`: the card template compiled for every "
-        "card and the heatmap saved with `savefig` (two draws); `now`: this checkout. "
+        "card, the heatmap saved with `savefig` (two draws), the tokenizer read at every load; `now`: this "
+        "checkout. "
         f"{os.cpu_count()} CPUs, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}; 1-minute load average "
         f"{load_before[0]:.2f} before, {load_after[0]:.2f} after (timings on a busy machine are longer). "
         "Written by `python benchmarks/task_overhead.py`.",
