@@ -1,11 +1,11 @@
 """Start-up time of the `hf-ccl` commands that only print: `--version`, `list`, `train --help`.
 
 Each command runs in a fresh process (`python -m hf_ccl.cli ...`), `--runs` times; the table gives the median wall
-time and whether the process imported torch. Optionally the same commands from another checkout (`--baseline`, a
-folder holding an older hf_ccl) side by side. The machine's load average is recorded: timings on a busy machine
+time and whether the process imported torch. Optionally the same commands from other checkouts (`--baseline`, a
+folder holding an older hf_ccl, repeatable) side by side. The machine's load average is recorded: timings on a busy machine
 are longer.
 
-    python benchmarks/cli_startup.py [--runs 5] [--baseline /path/to/old/checkout]
+    python benchmarks/cli_startup.py [--runs 5] [--baseline /path/to/old/checkout ...]
 """
 
 from __future__ import annotations
@@ -42,10 +42,11 @@ def time_command(checkout: Path, args: list[str], runs: int) -> tuple[float, boo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--baseline", type=Path, help="a checkout of an older hf_ccl to time beside this one")
+    parser.add_argument("--baseline", type=Path, action="append", default=[],
+                        help="a checkout of an older hf_ccl to time beside this one (repeatable)")
     args = parser.parse_args()
     load_before = os.getloadavg()
-    checkouts = {"this checkout": ROOT, **({f"baseline ({args.baseline})": args.baseline} if args.baseline else {})}
+    checkouts = {"this checkout": ROOT, **{f"baseline ({folder})": folder for folder in args.baseline}}
     rows = []
     for command in COMMANDS:
         cells = []
