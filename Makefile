@@ -30,8 +30,10 @@ test: install
 test-all: install
 	$(PY) -m pytest -q $(PYTEST_PARALLEL) -m "slow or not slow"
 
+# ruff on everything, mypy on hf_ccl/ (pyproject's [tool.mypy]: the package ships py.typed, so its types must hold).
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 # The docs site (mkdocs.yml, docs/): installs the `docs` extra through the same constraints, then builds into site/
 # with --strict, so a broken link or anchor, or a docstring that does not render, fails the build.

@@ -11,7 +11,7 @@ import math
 import numbers
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from accelerate.utils.memory import clear_device_cache
@@ -25,6 +25,7 @@ from .class_prompts import CROSS_ENTROPY_TERM, ClassPrompts, class_prompt_loss
 from .distributed import check_distributed_trainer, check_sharded_loader, is_main_process, rank
 from .methods.base import ContinualMethod, TaskContext
 from .methods.state import load_method_states, save_method_states
+from .modeling import ContinualDualEncoder
 from .step_meter import StepMeter
 
 CONTRASTIVE_TERM = "contrastive"
@@ -158,6 +159,9 @@ class ContinualTrainer(Trainer):
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
+        if not isinstance(self.model, ContinualDualEncoder):
+            raise TypeError(f"ContinualTrainer trains a dual encoder of hf_ccl (hf_ccl.modeling.ContinualDualEncoder, "
+                            f"e.g. ContinualCLIPModel), got {type(self.model).__name__}")
         check_distributed_trainer(self.args)  # several processes are one DDP run, or refused before training
         self.methods = list(methods)
         self.context = context
@@ -205,7 +209,7 @@ class ContinualTrainer(Trainer):
         names = super().get_decay_parameter_names(model)
         excluded: set[str] = set()
         for method in self.methods:
-            excluded |= set(method.no_weight_decay(model))
+            excluded |= set(method.no_weight_decay(cast(ContinualDualEncoder, model)))
         return [name for name in names if name not in excluded]
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
@@ -230,10 +234,18 @@ class ContinualTrainer(Trainer):
             self.context.optimizer = optimizer
         return optimizer
 
-    def unwrapped_model(self, model: torch.nn.Module | None = None) -> torch.nn.Module:
-        """The model without its DDP, mixed-precision or `torch.compile` wrappers: what methods see."""
-        return self.accelerator.unwrap_model(model if model is not None else self.model_wrapped,
-                                             keep_torch_compile=False)
+    def unwrapped_model(self, model: torch.nn.Module | None = None) -> ContinualDualEncoder:
+        """The model without its DDP, mixed-precision or `torch.compile` wrappers: what methods see (the dual encoder
+        the Trainer was given, checked at construction)."""
+        return cast(ContinualDualEncoder, self.accelerator.unwrap_model(
+            model if model is not None else self.model_wrapped, keep_torch_compile=False))
+
+    def _method_context(self) -> TaskContext:
+        """The task context the methods' step hooks read; a Trainer given methods without one cannot call them."""
+        if self.context is None:
+            raise ValueError("ContinualTrainer was given methods but no context (hf_ccl.methods.TaskContext): their "
+                             "loss terms read it; pass context=, or no methods")
+        return self.context
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """`Trainer.train`, then the model handed back bare: accelerate marks a prepared model (through a
@@ -357,7 +369,7 @@ class ContinualTrainer(Trainer):
         loss = self._total_loss(self.unwrapped_model(model), inputs, outputs)
         return (loss, outputs) if return_outputs else loss
 
-    def _total_loss(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor], outputs: Any) -> torch.Tensor:
+    def _total_loss(self, model: ContinualDualEncoder, inputs: dict[str, torch.Tensor], outputs: Any) -> torch.Tensor:
         """The contrastive loss (unless a method replaces it) plus every method's terms, checked to be finite and
         summed on the device for logging."""
         prompts = self.class_prompts
@@ -370,7 +382,7 @@ class ContinualTrainer(Trainer):
         else:
             terms = {CONTRASTIVE_TERM: outputs.loss}
         for method in self.methods:
-            for name, value in method.loss_terms(model, inputs, outputs, self.context).items():
+            for name, value in method.loss_terms(model, inputs, outputs, self._method_context()).items():
                 terms[f"{method.name}/{name}"] = value
         if not terms:
             raise ValueError("A method replaces the contrastive loss but no method returned a loss term")
