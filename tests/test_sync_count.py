@@ -293,8 +293,8 @@ def test_cuda_step_does_not_synchronize(name, tmp_path, monkeypatch):
     """The same step on a GPU with torch's sync debugging set to raise: any synchronising call fails the step
     (eager attention, without transformers' SDPA mask check: `EXTERNAL`)."""
 
-    def eager_tiny_clip(*args: Any, **kwargs: Any) -> Any:
-        model = tiny_clip(*args, **kwargs)
+    def eager_tiny_model(*args: Any, **kwargs: Any) -> Any:
+        model = tiny_model(*args, **kwargs)
         model.set_attn_implementation("eager")
         return model
 
@@ -306,8 +306,8 @@ def test_cuda_step_does_not_synchronize(name, tmp_path, monkeypatch):
         def __exit__(self, *exc: object) -> None:
             torch.cuda.set_sync_debug_mode("default")
 
-    tiny_clip = method_matrix.tiny_clip
-    monkeypatch.setattr(method_matrix, "tiny_clip", eager_tiny_clip)
+    tiny_model = method_matrix.tiny_model
+    monkeypatch.setattr(method_matrix, "tiny_model", eager_tiny_model)
     watch = _StepWatch(_SyncDebug)
     try:
         _fit(name, tmp_path, watch)
