@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
 import random
 from collections.abc import Callable, Mapping, Sequence
-from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,31 +44,10 @@ def load_tokenizer(name_or_path: str | Path | None = None, **hub_kwargs: Any) ->
 
     One exception: a SigLIP 2 checkpoint written by hf_ccl before its tokenizer_config.json steered transformers
     (`hf_ccl.processors`) is loaded as the class that file names, the one it was trained with."""
-    if name_or_path is None:  # the shared folder's CLIP BPE, else the same one from the Hub (a pip install)
-        name_or_path = check_default_tokenizer()
-    folder = Path(name_or_path)
-    if hub_kwargs or not folder.is_dir():
-        return _read_tokenizer(str(name_or_path), **hub_kwargs)
-    # a local folder: read once per version of its files, then copied (reading the real CLIP BPE parses its
-    # tokenizer.json several times: about twice the time of a copy, paid by every run and every resume)
-    return copy.deepcopy(_folder_tokenizer(str(name_or_path), str(folder.resolve()), _folder_signature(folder)))
-
-
-def _folder_signature(folder: Path) -> tuple[tuple[str, int, int], ...]:
-    """Names, sizes and modification times of a folder's files: a rewritten tokenizer folder reads afresh."""
-    return tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir() if f.is_file()))
-
-
-@lru_cache(maxsize=4)
-def _folder_tokenizer(given: str, resolved: str, signature: tuple[tuple[str, int, int], ...]) -> Any:
-    """The tokenizer of a local folder (`given` as the caller spelled it, `resolved` and `signature` only key the
-    cache) as `load_tokenizer` returns it; never handed out (callers get a copy)."""
-    return _read_tokenizer(given)
-
-
-def _read_tokenizer(name_or_path: str, **hub_kwargs: Any) -> Any:
     import transformers
 
+    if name_or_path is None:  # the shared folder's CLIP BPE, else the same one from the Hub (a pip install)
+        name_or_path = check_default_tokenizer()
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(name_or_path), **hub_kwargs)
     trained_class = _hf_ccl_trained_class(Path(name_or_path))
     if trained_class is not None and not isinstance(tokenizer, trained_class):
