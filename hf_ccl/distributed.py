@@ -101,7 +101,15 @@ def launch_defaults(training: Mapping[str, Any]) -> dict[str, Any]:
 
 def check_distributed_trainer(args: Any) -> None:
     """Refuse (`NotDistributedError`) TrainingArguments that would not make the launched processes one DDP run: with
-    several processes, the Trainer must be distributed over all of them (else each trains on the same batches)."""
+    several processes, the Trainer must be distributed over all of them (else each trains on the same batches); one
+    process must not drive several GPUs through nn.DataParallel (each GPU's loss over part of the batch)."""
+    if args.parallel_mode == ParallelMode.NOT_DISTRIBUTED:  # one process, several GPUs: nn.DataParallel
+        raise NotDistributedError(
+            f"this process sees {args.n_gpu} GPUs and was not launched as one process per GPU, so the Trainer would "
+            "wrap the model in nn.DataParallel, which splits every batch across the GPUs: CLIP's contrastive loss "
+            "would be computed over each GPU's part of the batch, not the whole batch. Launch one process per GPU "
+            "(accelerate launch --multi_gpu, torchrun), or give the process one GPU (CUDA_VISIBLE_DEVICES=0)"
+        )
     processes = launched_processes()
     if processes <= 1 or (args.parallel_mode == ParallelMode.DISTRIBUTED and args.world_size == processes):
         return

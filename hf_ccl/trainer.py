@@ -27,6 +27,7 @@ from .methods.base import ContinualMethod, TaskContext
 from .methods.state import load_method_states, save_method_states
 from .modeling import ContinualDualEncoder
 from .step_meter import StepMeter
+from .training_options import check_transformers_version
 
 CONTRASTIVE_TERM = "contrastive"
 #: Sub-folder of a Trainer checkpoint (`checkpoint-<step>/`) with the methods' and the collator's mid-task state.
@@ -158,6 +159,7 @@ class ContinualTrainer(Trainer):
         context: TaskContext | None = None,
         **kwargs: Any,
     ):
+        check_transformers_version()
         super().__init__(*args, **kwargs)
         if not isinstance(self.model, ContinualDualEncoder):
             raise TypeError(f"ContinualTrainer trains a dual encoder of hf_ccl (hf_ccl.modeling.ContinualDualEncoder, "

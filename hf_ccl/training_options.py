@@ -19,6 +19,7 @@ from functools import lru_cache
 from typing import Any
 
 import torch
+import transformers
 from transformers import TrainerCallback, TrainingArguments
 from transformers.integrations import get_reporting_integration_callbacks
 
@@ -82,12 +83,26 @@ REFUSED: dict[str, str] = {
     "auto_find_batch_size": "the compute budget (samples_per_task) and the methods' state need the batch size "
     "you set: lower per_device_train_batch_size (with gradient_accumulation_steps) yourself",
     "local_rank": "the launcher sets it (accelerate launch, torchrun)",
+    "deepspeed": "under DeepSpeed, accelerate's backward also steps the optimizer (DeepSpeed's engine.step), before "
+    "the methods' gradient edits (GEM's projection, pre_optimizer_step) could run, and ZeRO partitions the parameters "
+    "the methods' anchors, teachers and importances read; DeepSpeed is not installed with hf_ccl and its step has "
+    "not been run under it: train with DDP (accelerate launch --multi_gpu) and, to fit a larger model, "
+    "training.bf16, training.gradient_checkpointing or the lora method",
+    "parallelism_config": "context and tensor parallelism split each example's tokens or each layer across "
+    "processes, which hf_ccl's step (it replaces Trainer.training_step, which prepares context-parallel inputs) and "
+    "its contrastive loss over the global batch do not support: use DDP (accelerate launch --multi_gpu)",
 }
 #: Values refused for fields that are otherwise taken: {field: {value: why}}.
 REFUSED_VALUES: dict[str, dict[Any, str]] = {
     "save_only_model": {True: "a mid-task checkpoint without optimizer, scheduler, RNG and method state cannot "
                         "resume its task; task checkpoints (model only) are written after every task anyway"},
     "save_strategy": {"best": "it needs evaluation during training; " + _EVALUATED},
+    "optim": {
+        optimizer: "LOMO optimizers update each parameter inside backward (the Trainer passes the learning rate to "
+        "backward), so hf_ccl's exact accumulation and the methods' gradient edits before the optimizer step (GEM's "
+        "projection, pre_optimizer_step) would never see a gradient: use another training.optim"
+        for optimizer in ("lomo", "adalomo")
+    },
     "train_sampling_strategy": {
         "group_by_length": "grouping by length needs tokenized columns, which the stream's datasets do not have",
         "batch_rebalance": "rebalancing by length needs tokenized columns, which the stream's datasets do not have",
@@ -149,9 +164,30 @@ def training_choices() -> dict[str, tuple[Any, ...]]:
     return {**listed, **STRING_CHOICES}
 
 
+#: The transformers releases `hf_ccl.trainer.ContinualTrainer` was checked against: it replaces
+#: `Trainer.training_step` and overrides private Trainer methods (`_save_checkpoint`, `_load_optimizer_and_scheduler`,
+#: `_save_rng_state`, `_load_rng_state`, `_push_from_checkpoint`), whose behaviour a release may change without notice.
+#: pyproject's dependency range is the same.
+CHECKED_TRANSFORMERS = ("5.23", "5.24")  # [lowest, first unchecked)
+
+
+def check_transformers_version(version: str | None = None) -> None:
+    """Refuse (`ConfigError`) a transformers release outside `CHECKED_TRANSFORMERS`, naming the range to install."""
+    from packaging.version import Version
+
+    version = version or transformers.__version__
+    low, high = CHECKED_TRANSFORMERS
+    if not Version(low) <= Version(version) < Version(high):
+        raise ConfigError(
+            f"transformers {version} is installed; hf_ccl's ContinualTrainer overrides Trainer internals checked "
+            f"against transformers >={low},<{high} only: install that range (pip install 'transformers>={low},<{high}')",
+            "training")
+
+
 def check_training_args(training: Mapping[str, Any]) -> dict[str, Any]:
     """The `training` section checked (only the keys given) and with lossless conversions applied; a
     `ConfigError` naming `training.<key>` at the first problem."""
+    check_transformers_version()
     fields = training_fields()
     unknown = sorted(set(training) - set(fields))
     if unknown:
@@ -179,6 +215,7 @@ def check_training_args(training: Mapping[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"training.{key} has no effect without {what}", f"training.{key}")
     check_precision(checked)
     check_fsdp(checked)
+    check_deepspeed_launch()
     _trial(checked)
     return checked
 
@@ -286,6 +323,14 @@ def fsdp_request(training: Mapping[str, Any]) -> tuple[str, str] | None:
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"):
         return "accelerate launch with FSDP (ACCELERATE_USE_FSDP)", os.environ.get("FSDP_VERSION", "1")
     return None
+
+
+def check_deepspeed_launch() -> None:
+    """DeepSpeed asked for by the launcher (`accelerate launch --use_deepspeed`, or an accelerate config with
+    `distributed_type: DEEPSPEED`, which sets `ACCELERATE_USE_DEEPSPEED`) is refused as `training.deepspeed` is."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true"):
+        raise ConfigError(f"accelerate launch with DeepSpeed (ACCELERATE_USE_DEEPSPEED) is not taken: "
+                          f"{REFUSED['deepspeed']}", "training.deepspeed")
 
 
 def check_fsdp(training: Mapping[str, Any]) -> None:
