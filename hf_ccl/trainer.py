@@ -292,7 +292,8 @@ class ContinualTrainer(Trainer):
     ) -> torch.Tensor:
         """One micro-batch. Before the last micro-batch of an optimizer step, it is only kept (and 0 is returned);
         the last one runs forward and backward over all of them (`hf_ccl.accumulation`), so the loss and every
-        method term see the whole accumulated batch. Returns the loss of that batch."""
+        method term see the whole accumulated batch. Returns the loss of that batch. An optimizer step of one
+        micro-batch is `Trainer.training_step` itself (`compute_loss` below adds the methods' terms)."""
         self.step_meter.batch(inputs)
         if not self.accelerator.gradient_state.sync_gradients:
             self._pending_chunks.append(inputs)
@@ -307,13 +308,9 @@ class ContinualTrainer(Trainer):
         if callable(optimizer_train):
             optimizer_train()
         with self.step_meter.step(chunks, self._estimated_step_macs if self.args.torch_compile else None):
-            if len(chunks) == 1:
-                with self.compute_loss_context_manager():
-                    loss = self.compute_loss(model, chunks[0])
-                assert isinstance(loss, torch.Tensor)  # no return_outputs: the loss alone
-                self.accelerator.backward(loss)
-            else:
-                loss = self._accumulated_step(model, chunks)
+            if len(chunks) == 1:  # the Trainer's own step: its paths (context parallelism, cache clearing, ...) kept
+                return super().training_step(model, chunks[0], num_items_in_batch)
+            loss = self._accumulated_step(model, chunks)
         empty_every = self.args.torch_empty_cache_steps
         if empty_every is not None and self.state.global_step % empty_every == 0:
             clear_device_cache()
