@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from .arguments import RENAMED_KEYS, SECTIONS, ContinualArguments, check_renamed_keys
+from .arguments import SECTIONS, ContinualArguments, check_renamed_keys
 from .catalog import family_names
 from .files import write_text_atomic
 from .safe_yaml import YAMLSizeError, load_yaml
@@ -268,8 +268,7 @@ def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, A
     valid = config_fields()
     for text in overrides:
         path, value = parse_override(text)
-        if path[0] in RENAMED_KEYS:
-            check_renamed_keys([path[0]])
+        check_renamed_keys([path[0]])
         if path[0] not in valid:  # never the value: it may be a secret typed in the wrong place
             raise ConfigError(f"Unknown config key {path[0]!r} in an override; valid keys: {', '.join(valid)}")
         target = values
