@@ -23,6 +23,7 @@ from .data.task import ModelPart, TaskStream
 from .families import check_family_methods
 from .methods.base import ContinualMethod
 from .methods.registry import METHODS, check_methods
+from .training_options import fsdp_request
 from .validation import ConfigError
 
 
@@ -49,11 +50,21 @@ def check_plan(args: ContinualArguments, methods: Sequence[ContinualMethod], fam
     check_methods(methods, args.samples_per_task)
     if family is not None:
         check_family(family, methods)
+    check_fsdp_methods(args, methods)
     replacing = [method.name for method in methods if method.replaces_contrastive_loss]
     if args.classification_loss == "cross_entropy" and replacing:
         raise ConfigError(f"classification_loss: cross_entropy replaces the contrastive loss, and so does "
                           f"{replacing[0]} (its terms are the whole loss): use one of them", "classification_loss")
     return RunPlan(args, tuple(methods), family_name(family))
+
+
+def check_fsdp_methods(args: ContinualArguments, methods: Sequence[ContinualMethod]) -> None:
+    """Under FSDP2, the methods that cannot train a sharded student (`ContinualMethod.fsdp_refusal`), refused."""
+    request = fsdp_request(args.training)
+    for method in methods:
+        if request is not None and method.fsdp_refusal is not None:
+            raise ConfigError(f"{request[0]}: method {method.name!r} cannot train under FSDP2: {method.fsdp_refusal}. "
+                              "Train it with DDP (accelerate launch --multi_gpu)", "methods")
 
 
 def check_family(family: Any, methods: Sequence[ContinualMethod]) -> None:

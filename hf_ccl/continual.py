@@ -562,6 +562,8 @@ class ContinualLearner:
                 self.args.resume_from_checkpoint, trainer.args, context.task_index, self.run_state))
         context.log_history = trainer.state.log_history
         self.global_step += trainer.state.global_step
+        if trainer.is_fsdp_enabled:  # FSDP2: the plain model, gathered on every process
+            self.model = context.model = trainer.trained_model()
         return trainer
 
     def _build_trainer(self, context: TaskContext) -> ContinualTrainer:

@@ -26,8 +26,9 @@ from .distributed import check_distributed_trainer, check_sharded_loader, is_mai
 from .methods.base import ContinualMethod, TaskContext
 from .methods.state import load_method_states, save_method_states
 from .modeling import ContinualDualEncoder
+from .sharding import gather_model, is_sharded, shard_ready
 from .step_meter import StepMeter
-from .training_options import check_transformers_version
+from .training_options import check_transformers_version, fsdp_request
 
 CONTRASTIVE_TERM = "contrastive"
 #: Sub-folder of a Trainer checkpoint (`checkpoint-<step>/`) with the methods' and the collator's mid-task state.
@@ -185,9 +186,32 @@ class ContinualTrainer(Trainer):
                 "accumulation (hf_ccl.accumulation) is only implemented for one process and DDP. Use a larger "
                 "per_device_train_batch_size instead."
             )
+        #: The 0-d parameters reshaped to [1] for FSDP2 (`hf_ccl.sharding`), squeezed back by `trained_model`.
+        self.sharded_scalars: list[str] = self._ready_for_fsdp()
         self.add_callback(MethodHooksCallback(self))
         if self.context is not None:
             self.context.training_args = self.args
+
+    def _ready_for_fsdp(self) -> list[str]:
+        """With FSDP2 (`training.fsdp` or `accelerate launch --use_fsdp`), the model readied for the Trainer's
+        sharding (`hf_ccl.sharding.shard_ready`); FSDP asked for but not taken by accelerate is refused."""
+        request = fsdp_request({"fsdp": self.args.fsdp, "fsdp_config": self.args.fsdp_config})
+        if not self.is_fsdp_enabled:
+            if request is not None:
+                raise ValueError(f"{request[0]} asked for FSDP, but accelerate did not enable it "
+                                 f"({self.accelerator.state.distributed_type}): the run would not be sharded")
+            return []
+        version = getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1)
+        if version != 2:
+            raise ValueError(f"FSDP{version} is not supported: hf_ccl trains with FSDP2 (fsdp_config.version: 2, or "
+                             "accelerate launch --fsdp_version 2)")
+        return shard_ready(cast(ContinualDualEncoder, self.model), self.accelerator.state.fsdp_plugin)
+
+    def trained_model(self) -> ContinualDualEncoder:
+        """The task's model as the loop keeps it between tasks: unwrapped, and when it trained sharded, gathered into
+        a plain model with the full weights on every process (`hf_ccl.sharding.gather_model`, a collective call)."""
+        model = self.unwrapped_model()
+        return gather_model(model, self.sharded_scalars) if is_sharded(model) else model
 
     @property
     def replaces_contrastive_loss(self) -> bool:

@@ -23,7 +23,7 @@ import transformers
 from transformers import TrainerCallback, TrainingArguments
 from transformers.integrations import get_reporting_integration_callbacks
 
-from .distributed import NotDistributedError, check_distributed_trainer, launch_defaults
+from .distributed import NotDistributedError, check_distributed_trainer, launch_defaults, launched_processes
 from .training_defaults import NO_WARMUP_SCHEDULES, default_training, with_training_defaults  # noqa: F401 (re-exported)
 from .validation import (
     ConfigError,
@@ -142,7 +142,7 @@ NEEDS: dict[str, tuple[Callable[[Mapping[str, Any]], bool], str]] = {
                                       "training.dataloader_num_workers >= 1"),
     "warmup_steps": (lambda t: t.get("lr_scheduler_type", "linear") not in NO_WARMUP_SCHEDULES,
                      "a schedule that warms up (constant_with_warmup, not constant): set one, or training.warmup_steps: 0"),
-    "fsdp_config": (lambda t: t.get("fsdp") not in (None, False, "", []), "training.fsdp (refused: see check_fsdp)"),
+    "fsdp_config": (lambda t: t.get("fsdp") not in (None, False, "", []), "training.fsdp"),
 }
 #: Annotations of TrainingArguments that say less than the field takes (`fsdp: str | None`, and its help says
 #: "fsdp=True").
@@ -297,18 +297,21 @@ def check_precision(training: Mapping[str, Any]) -> None:
                           "training.fp16 instead")
 
 
-#: Why FSDP cannot train an hf_ccl model on this stack, by FSDP version (torch 2.13, accelerate 1.15, transformers
-#: 5.23; each fact is re-checked by tests/scripts/fsdp_limits.py, so the test fails when a release lifts one).
-FSDP_LIMITS: dict[str, str] = {
-    "2": "torch's fully_shard refuses scalar parameters, and every CLIP has one (logit_scale, shape []): \"fully_shard "
-    "doesn't support scalar parameters. Change logit_scale to a 1D tensor with numel equal to 1.\"",
+#: FSDP versions hf_ccl does not train with, and why (torch 2.13, accelerate 1.15, transformers 5.23).
+FSDP_REFUSED_VERSIONS: dict[str, str] = {
     "1": "transformers deprecates FSDP1, accelerate cannot build its plugin without a GPU (sync_module_states), and "
-    "under FSDP1 the methods (anchors, Fisher, teachers, momentum models) would see flattened parameter shards",
+    "under FSDP1 the methods would see flattened parameter shards; use FSDP2 (training.fsdp_config.version: 2, or "
+    "accelerate launch --use_fsdp --fsdp_version 2)",
 }
-_FSDP_ALWAYS = ("hf_ccl also evaluates every task and writes its checkpoint on the main process alone, which a sharded "
-                "model cannot do (every process must take part in gathering the parameters)")
-_FSDP_CPU = ("on a machine without a GPU accelerate drops its FSDP plugin without a word, so the run would train "
-             "as plain DDP")
+#: Why FSDP2 cannot run on a machine without a GPU (re-checked by tests/scripts/fsdp_limits.py).
+FSDP_CPU_LIMIT = ("accelerate keeps its FSDP plugin only on GPU-like devices: on the CPU (gloo) it drops it without a "
+                  "word and the run would train as plain DDP, every process holding the whole model")
+
+
+def accelerate_keeps_fsdp(training: Mapping[str, Any]) -> bool:
+    """Whether accelerate would keep an FSDP plugin for this run: only on an accelerator (its `AcceleratorState`
+    sets `DistributedType.FSDP` for MULTI_GPU, MULTI_XPU, ..., never MULTI_CPU)."""
+    return accelerator() is not None and not training.get("use_cpu")
 
 
 def fsdp_request(training: Mapping[str, Any]) -> tuple[str, str] | None:
@@ -334,20 +337,26 @@ def check_deepspeed_launch() -> None:
 
 
 def check_fsdp(training: Mapping[str, Any]) -> None:
-    """FSDP refused before anything is built, with the limit that stops it (`FSDP_LIMITS`): use DDP (`accelerate
-    launch --multi_gpu`), bf16, gradient checkpointing or LoRA to fit a larger model."""
+    """FSDP checked before anything is built: FSDP2 on several processes of a GPU machine, one optimizer step per
+    micro-batch; FSDP1, one process, a CPU machine and gradient accumulation are refused, each with its reason. The
+    methods that cannot train sharded are refused by `hf_ccl.checks.check_fsdp_methods`."""
     request = fsdp_request(training)
     if request is None:
         return
     where, version = request
-    reason = FSDP_LIMITS.get(version, f"FSDP version {version!r} does not exist (accelerate has 1 and 2)")
-    on_cpu = f"; and {_FSDP_CPU}" if accelerator() is None or training.get("use_cpu") else ""
-    raise ConfigError(
-        f"{where}: FSDP{version} cannot train an hf_ccl model with torch {torch.__version__.split('+')[0]}: {reason}; "
-        f"{_FSDP_ALWAYS}{on_cpu}. Train with DDP (accelerate launch --multi_gpu) and, to fit a larger model, "
-        "training.bf16, training.gradient_checkpointing or the lora method",
-        "training.fsdp",
-    )
+    if version != "2":
+        reason = FSDP_REFUSED_VERSIONS.get(version, f"FSDP version {version!r} does not exist (accelerate has 1 and 2)")
+        raise ConfigError(f"{where}: FSDP{version} is not taken: {reason}", "training.fsdp")
+    if launched_processes() <= 1:
+        raise ConfigError(f"{where}: FSDP shards the model across processes, and this is one process: launch several "
+                          "(accelerate launch --num_processes N, torchrun), or remove it", "training.fsdp")
+    if not accelerate_keeps_fsdp(training):
+        raise ConfigError(f"{where}: FSDP2 needs a GPU: {FSDP_CPU_LIMIT}. On this machine train with DDP "
+                          "(accelerate launch --multi_gpu)", "training.fsdp")
+    if (training.get("gradient_accumulation_steps") or 1) > 1:
+        raise ConfigError(f"{where}: training.gradient_accumulation_steps > 1 is not taken with FSDP: hf_ccl's exact "
+                          "contrastive accumulation runs on one process and DDP only; use a larger "
+                          "per_device_train_batch_size", "training.gradient_accumulation_steps")
 
 
 def _trial(training: Mapping[str, Any]) -> None:

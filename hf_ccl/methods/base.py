@@ -165,6 +165,11 @@ def pair_modalities(task: Task) -> tuple[str, str]:
     return task.modalities
 
 
+#: `ContinualMethod.fsdp_refusal` of a method not checked under FSDP2.
+FSDP_NOT_CHECKED = ("its training under FSDP2 was not checked against the unsharded run (its hooks may read the "
+                    "student's parameters or gradients, which FSDP2 holds as shards during training)")
+
+
 class ContinualMethod(Generic[ConfigT]):
     """Base class of every method: all hooks are no-ops, so a method overrides only what it changes.
 
@@ -223,6 +228,10 @@ class ContinualMethod(Generic[ConfigT]):
     variant_of: ClassVar[str | None] = None
     #: The families besides CLIP whose default matrix runs this method (the others run it under `-m slow`).
     test_families: ClassVar[tuple[str, ...]] = ()
+    #: Why this method cannot train a student sharded by FSDP2 (`hf_ccl.sharding`), refused before anything is built;
+    #: None where it trains sharded exactly as unsharded (tests/test_fsdp.py checks every method that says so).
+    #: Inherited: a variant trains sharded as its parent does unless it says otherwise.
+    fsdp_refusal: ClassVar[str | None] = FSDP_NOT_CHECKED
 
     def __init__(self, config: MethodConfig | dict[str, Any] | None = None):
         if config is None or isinstance(config, dict):
