@@ -307,6 +307,11 @@ FSDP_REFUSED_VERSIONS: dict[str, str] = {
 FSDP_CPU_LIMIT = ("accelerate keeps its FSDP plugin only on GPU-like devices: on the CPU (gloo) it drops it without a "
                   "word and the run would train as plain DDP, every process holding the whole model")
 
+#: Why the Trainer's own (mid-task) checkpoints cannot be written from an FSDP2 model on this stack.
+FSDP_MID_TASK_LIMIT = ("accelerate 1.15 forgets DistributedType.FSDP as soon as another AcceleratorState() is built "
+                       "(its AcceleratedOptimizer builds one; AcceleratorState.__init__ copies PartialState's "
+                       "distributed type over it), so Trainer.save_model writes the sharded DTensors and fails")
+
 
 def accelerate_keeps_fsdp(training: Mapping[str, Any]) -> bool:
     """Whether accelerate would keep an FSDP plugin for this run: only on an accelerator (its `AcceleratorState`
@@ -353,6 +358,10 @@ def check_fsdp(training: Mapping[str, Any]) -> None:
     if not accelerate_keeps_fsdp(training):
         raise ConfigError(f"{where}: FSDP2 needs a GPU: {FSDP_CPU_LIMIT}. On this machine train with DDP "
                           "(accelerate launch --multi_gpu)", "training.fsdp")
+    if _saves(training):
+        raise ConfigError(f"{where}: the Trainer's mid-task checkpoints (training.save_strategy) are not taken with "
+                          f"FSDP: {FSDP_MID_TASK_LIMIT}. The task checkpoints (task-<k>/) are written from the gathered "
+                          "model and resume exactly: remove training.save_strategy", "training.save_strategy")
     if (training.get("gradient_accumulation_steps") or 1) > 1:
         raise ConfigError(f"{where}: training.gradient_accumulation_steps > 1 is not taken with FSDP: hf_ccl's exact "
                           "contrastive accumulation runs on one process and DDP only; use a larger "

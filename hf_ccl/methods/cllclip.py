@@ -260,6 +260,8 @@ def plain_clip_copy(
 class CLLCLIP(ContinualMethod[CLLCLIPConfig]):
     """CLL-CLIP: token embeddings only, distilled from the frozen initial CLIP (module docstring, Eqs. 2–4)."""
 
+    fsdp_refusal = ("it trains parameters of its own beside the model's (optimizer_parameters), which accelerate cannot "
+                    "map to sharded ones, and masks the token embedding's gradient, which FSDP2 holds as a shard")
     name = "cllclip"
     test_families = ("siglip2",)
     config_class = CLLCLIPConfig

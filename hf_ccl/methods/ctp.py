@@ -141,6 +141,8 @@ class CTP(ContinualMethod[CTPConfig]):
     """CTP for CLIP: momentum contrast against a compatible momentum model and its queues, and topology
     preservation against the previous-task model. Loss terms: `cmc`, `topology_cross`, `topology_same`."""
 
+    fsdp_refusal = ("its momentum model is updated from the student's parameters at every step, and FSDP2 holds those as "
+                    "shards")
     name = "ctp"
     test_options = {"queue_size": 32}  # a queue that fills on 64-example tasks
     test_families = ("siglip",)

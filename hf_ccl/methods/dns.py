@@ -244,6 +244,8 @@ class DNS(ContinualMethod[DNSConfig]):
     """Dual-sided null-space gradient projection (Thm. 4, Eq. 8) on chosen linear layers of a CLIP or on the
     learner heads. See the module docstring."""
 
+    fsdp_refusal = ("its null-space projection multiplies the student's gradients by whole projectors at every step, and "
+                    "FSDP2 holds the gradients as shards")
     name = "dns"
     test_families = ("chinese_clip",)
     config_class = DNSConfig

@@ -10,6 +10,7 @@ from .registry import register_method
 class Finetune(ContinualMethod[MethodConfig]):
     """Plain sequential fine-tuning: every hook is the base class's no-op."""
 
+    fsdp_refusal = None  # trains sharded as unsharded (tests/test_fsdp.py)
     name = "finetune"
     test_families = ("siglip", "siglip2", "altclip", "chinese_clip", "metaclip_2")
     trains_pair_tasks = True  # on pair tasks: the learner heads' pair loss alone (CMCL's "vanilla")

@@ -290,6 +290,8 @@ class EpisodicMemoryMethod(ContinualMethod[EpisodicMemoryConfigT]):
     and the gradient of the contrastive loss on a memory batch, of a CLIP or of the learner heads (module
     docstring)."""
 
+    fsdp_refusal = ("it projects each step's gradient against the memory's over whole gradient vectors, and FSDP2 holds "
+                    "every gradient as a shard; its memory pass also runs the towers outside the sharded forward")
     config_class = EpisodicMemoryConfig
     roles = {
         "previous_model": "constrains each step not to increase the loss on the memories of previous tasks",

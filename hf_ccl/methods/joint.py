@@ -26,6 +26,7 @@ class JointConfig(MethodConfig):
 class Joint(ContinualMethod[JointConfig]):
     """Train each task on every task's data seen so far. Other methods' transforms apply after this one."""
 
+    fsdp_refusal = None  # trains sharded as unsharded (tests/test_fsdp.py)
     name = "joint"
     same_step_as = "finetune"
     config_class = JointConfig

@@ -67,6 +67,8 @@ class LearnerHeadsConfig(MethodConfig):
 class LearnerHeadsMethod(ContinualMethod[LearnerHeadsConfig]):
     """Per-modality learner heads on a frozen CLIP for pair streams (see the module docstring)."""
 
+    fsdp_refusal = ("its learner heads are attached to the model, which the plain model the loop gathers after each task "
+                    "would not carry")
     name = "learner_heads"
     test_families = ("chinese_clip",)
     config_class = LearnerHeadsConfig

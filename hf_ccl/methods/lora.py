@@ -239,6 +239,8 @@ def load_adapter_folder(folder: str | Path) -> tuple[LoraConfig, dict[str, torch
 class LoRA(ContinualMethod[LoRAMethodConfig]):
     """A fresh LoRA adapter per task, merged into the base weights after the task (see the module docstring)."""
 
+    fsdp_refusal = ("its PEFT adapters wrap the model, and the plain model the loop gathers after each task would not "
+                    "carry them")
     name = "lora"
     test_families = ("altclip",)
     config_class = LoRAMethodConfig

@@ -90,6 +90,7 @@ class LwF(TeacherMethod[LwFConfig]):
     Loss term `kl` = alpha * L_LwF on tasks t > 0; no teacher and no term on task 0.
     """
 
+    fsdp_refusal = None  # trains sharded as unsharded (tests/test_fsdp.py)
     name = "lwf"
     same_step_as = "modx"
     config_class = LwFConfig

@@ -150,6 +150,7 @@ class ModX(TeacherMethod[ModXConfig]):
     last training step, overall and per direction (the trainer averages it over each logging window).
     """
 
+    fsdp_refusal = None  # trains sharded as unsharded (tests/test_fsdp.py)
     name = "modx"
     test_families = ("siglip",)
     config_class = ModXConfig

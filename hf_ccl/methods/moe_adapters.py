@@ -854,6 +854,8 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
 class MoEAdapters(ContinualMethod[MoEAdaptersConfig]):
     """Mixture-of-experts adapters with task routers, activate-freeze and DDAS (see the module docstring)."""
 
+    fsdp_refusal = ("its adapters and router are modules attached to the model, which the plain model the loop gathers "
+                    "after each task would not carry")
     name = NAME
     test_options = {"num_experts": 4, "bottleneck": 4, "router_noise": False, "dropout": 0.0, "ddas_steps": 20,
                     "ddas_code_dim": 8}  # a few small experts, a short DDAS autoencoder

@@ -204,6 +204,7 @@ class PatchingConfig(MethodConfig):
 class Patching(ContinualMethod[PatchingConfig]):
     """Sequential patching: train from the last patched model, deploy its interpolation with the fine-tuned one."""
 
+    fsdp_refusal = None  # trains sharded as unsharded (tests/test_fsdp.py)
     name = "patching"
     test_options = {"validation_size": 4}  # a whole batch of 64 still trains on 68-example tasks
     same_step_as = "finetune"

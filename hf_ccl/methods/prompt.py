@@ -180,6 +180,8 @@ class PromptConfig(MethodConfig):
 class PromptLearning(ContinualMethod[PromptConfig]):
     """CoOp context vectors on the text tower, the rest of CLIP frozen (see the module docstring)."""
 
+    fsdp_refusal = ("its text prompt is a module of its own on the model, which the plain model the loop gathers after "
+                    "each task would not carry")
     name = "prompt"
     same_step_as = "lora"
     config_class = PromptConfig

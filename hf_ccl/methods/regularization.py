@@ -314,6 +314,8 @@ class QuadraticPenaltyMethod(ContinualMethod[QuadraticPenaltyConfigT]):
     that trained each parameter. On a full CLIP every covered parameter trains every task, so this is the usual rule.
     """
 
+    fsdp_refusal = ("its penalty compares the student's parameters with whole anchors and importances at every step, and "
+                    "FSDP2 holds those parameters as shards during training")
     config_class = QuadraticPenaltyConfig
     roles = {"previous_model": "penalises moving away from the previous task's weights"}
 

@@ -160,6 +160,7 @@ DERConfigT = TypeVar("DERConfigT", bound=DERConfig)
 class ExperienceReplay(ContinualMethod[ERConfigT]):
     """ER (Chaudhry et al. 2019): train each task on its data concatenated with the reservoir buffer."""
 
+    fsdp_refusal = None  # trains sharded as unsharded (tests/test_fsdp.py)
     name = "er"
     test_options = {"buffer_size": 16}  # a buffer that replays on 64-example tasks
     same_step_as = "derpp"

@@ -158,6 +158,8 @@ class TEIRConfig(MethodConfig):
 class TEIR(ContinualMethod[TEIRConfig]):
     """TEIR's per-row gradient and weight-decay scaling of the token embedding (module docstring, Eqs. 5–6)."""
 
+    fsdp_refusal = ("it masks and rescales the token embedding's gradient rows at every step, and FSDP2 holds that "
+                    "gradient as a shard")
     name = "teir"
     test_families = ("altclip",)
     config_class = TEIRConfig

@@ -79,6 +79,7 @@ class FromScratch(ContinualMethod[RestartConfig]):
     """Random init at every step (seeded from the task's seed), trained on the union of all steps so far, with the
     first step's warmup (specs/ticclip.md §2.4 and §7 item 13: Restart and Oracle start from random init)."""
 
+    fsdp_refusal = None  # trains sharded as unsharded (tests/test_fsdp.py)
     config_class = RestartConfig
     trains_on_past_tasks = True
     roles = {

@@ -297,6 +297,7 @@ class CumulativeReplay(ContinualMethod[CumulativeConfig]):
     """Warm start from the last model; train C iterations on D_t and the buffer of old steps, shuffled together
     (TiC-CLIP §3 II). Subclasses fix the allocation `rule` (see the module docstring)."""
 
+    fsdp_refusal = None  # trains sharded as unsharded (tests/test_fsdp.py)
     config_class = CumulativeConfig
     rule: ClassVar[str] = ""
     trains_on_past_tasks = True

@@ -154,6 +154,8 @@ def init_new_rows(
 class GrowVocab(ContinualMethod[GrowVocabConfig]):
     """Per-language BPE merged into the tokenizer, token embedding grown with TEIR's init. See the module docstring."""
 
+    fsdp_refusal = ("it trains parameters of its own beside the model's (optimizer_parameters), which accelerate cannot "
+                    "map to sharded ones")
     name = "grow_vocab"
     same_step_as = "cllclip"
     config_class = GrowVocabConfig

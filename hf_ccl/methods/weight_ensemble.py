@@ -285,6 +285,8 @@ class WeightEnsembleConfig(MethodConfig):
 class WeightEnsembleMethod(ContinualMethod[WeightEnsembleConfig]):
     """ZSCL's weight ensemble: deploy the running mean of the weights along each task's training (module docstring)."""
 
+    fsdp_refusal = ("its weight ensemble averages the student's parameters during training, and FSDP2 holds those as "
+                    "shards")
     name = "weight_ensemble"
     test_options = {"every": 1}  # an ensemble step within a few-step task
     same_step_as = "zscl"

@@ -85,6 +85,7 @@ class WiseFTConfig(MethodConfig):
 class WiseFT(ContinualMethod[WiseFTConfig]):
     """WiSE-FT after every task: deploy (1 − α) θ_reference + α θ_fine-tuned (module docstring)."""
 
+    fsdp_refusal = None  # trains sharded as unsharded (tests/test_fsdp.py)
     name = "wise_ft"
     same_step_as = "finetune"
     config_class = WiseFTConfig

@@ -1,5 +1,5 @@
 """Run under `accelerate launch --multi_gpu --num_processes 2` (gloo, CPU) by tests/test_fsdp.py: the smallest
-checks of why FSDP cannot train an hf_ccl CLIP on this stack (what `hf_ccl.training_options.check_fsdp` refuses).
+checks of the limits FSDP meets on this stack (what `hf_ccl.sharding` works around and `check_fsdp` refuses).
 
 1. torch's FSDP2 (`fully_shard`) itself runs on CPU with gloo: a two-layer MLP shards (DTensor parameters), trains
    one step and gathers a full state dict on rank 0.
