@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from .modeling import ContinualDualEncoder
 
@@ -90,3 +91,11 @@ def gather_model(model: nn.Module, scalars: list[str]) -> ContinualDualEncoder:
     if not isinstance(plain, ContinualDualEncoder):
         raise TypeError(f"gathered a {type(plain).__name__}, not an hf_ccl dual encoder")
     return plain
+
+
+def whole(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The whole value of a parameter that FSDP2 may hold as a shard (a collective call for a DTensor: every process
+    must call it), shaped like `like` (a 0-d parameter FSDP2 trains as [1]); a plain tensor as it is."""
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    return value if value.shape == like.shape else value.reshape(like.shape)

@@ -35,10 +35,11 @@ CHECK_SCRIPT, CLI_SCRIPT, LIMITS_SCRIPT = SCRIPTS / "fsdp_check.py", SCRIPTS / "
 #: Methods that train sharded (`fsdp_refusal = None`), by the step mechanism they share.
 SHARDED_METHODS = sorted(name for name, cls in METHOD_CLASSES.items() if cls.fsdp_refusal is None)
 #: The default launch: CLIP (its 0-d logit_scale reshaped) with finetune, SigLIP (the sigmoid loss, a (1,) logit_bias)
-#: with Mod-X's teacher; every family, every method that trains sharded and SigLIP's finetune under `-m slow`.
-DEFAULT_RUNS = ["clip:finetune", "siglip:modx"]
+#: with Mod-X's teacher, and ZSCL (a weight mean kept as shards); every family and every method that trains sharded
+#: under `-m slow`.
+DEFAULT_RUNS = ["clip:finetune", "siglip:modx", "clip:zscl"]
 SLOW_RUNS = ([f"{family}:finetune" for family in FAMILIES if family != "clip"]
-             + [f"clip:{name}" for name in SHARDED_METHODS if name != "finetune"])
+             + [f"clip:{name}" for name in SHARDED_METHODS if f"clip:{name}" not in DEFAULT_RUNS])
 
 
 # ----- refused before anything is built ----------------------------------------------------------------------------

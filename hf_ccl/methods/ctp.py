@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..distributed import all_gather_no_grad
+from ..sharding import whole
 from ..validation import ConfigError, check_range
 from .base import ContinualMethod, MethodConfig, TaskContext
 from .ctp_losses import (
@@ -141,8 +142,7 @@ class CTP(ContinualMethod[CTPConfig]):
     """CTP for CLIP: momentum contrast against a compatible momentum model and its queues, and topology
     preservation against the previous-task model. Loss terms: `cmc`, `topology_cross`, `topology_same`."""
 
-    fsdp_refusal = ("its momentum model is updated from the student's parameters at every step, and FSDP2 holds those as "
-                    "shards")
+    fsdp_refusal = None  # M and R kept whole on every process; Eq. 3 gathers F's shards each step
     name = "ctp"
     test_options = {"queue_size": 32}  # a queue that fills on 64-example tasks
     test_families = ("siglip",)
@@ -225,7 +225,7 @@ class CTP(ContinualMethod[CTPConfig]):
         names = [name for name, param in current.items() if param.requires_grad]
         momentum_update_(
             [momentum[name] for name in names],
-            [current[name].detach() for name in names],
+            [whole(current[name].detach(), momentum[name]) for name in names],  # FSDP2: gathered each step
             [previous[name] for name in names] if previous is not None else None,
             self.current_momentum,
             MOMENTUM_MODES[self.config.momentum_mode],

@@ -48,6 +48,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..validation import check_range
 from .base import ContinualMethod, MethodConfig, TaskContext
@@ -146,6 +147,7 @@ class WeightEnsemble:
         self.count = 0  # models in the mean, θ_0 included
         self.steps: list[int] = []  # optimizer steps whose weights are in the mean
         self.pending: int | None = None  # a due step whose weights are not averaged in yet
+        self.scalars: list[str] = []  # 0-d tensors FSDP2 trained as [1] (`_gather`)
         if model is not None:
             self._start(model)
 
@@ -158,9 +160,14 @@ class WeightEnsemble:
         if self.pending is None:
             return
         names, targets = self._targets(model)
-        current = [t.to(device=a.device, dtype=a.dtype) for t, a in zip(targets, self._averages(names), strict=True)]
+        averages = self._averages(names)
+        current = [t.to(device=a.device, dtype=a.dtype) for t, a in zip(targets, averages, strict=True)]
         self.count += 1
-        torch._foreach_lerp_(self._averages(names), current, 1.0 / self.count)
+        if any(isinstance(a, DTensor) for a in averages):  # FSDP2: each process averages its own shards
+            for average, value in zip(averages, current, strict=True):
+                average.lerp_(value, 1.0 / self.count)
+        else:
+            torch._foreach_lerp_(averages, current, 1.0 / self.count)
         self.steps.append(self.pending)
         self.pending = None
 
@@ -191,6 +198,7 @@ class WeightEnsemble:
 
         A mean that holds no snapshot (the task trained fewer steps than `every`) is refused: it is the task's
         starting weights, and deploying it would throw the whole task's training away without a word."""
+        self._gather()
         self.flush(model)
         if not self.steps:
             raise ValueError(
@@ -231,6 +239,17 @@ class WeightEnsemble:
         }
         self.count, self.steps, self.pending = 1, [], None
 
+    def _gather(self) -> None:
+        """A mean of a student sharded by FSDP2 (`hf_ccl.sharding`), kept as shards like its weights while the task
+        trains, made whole (a collective call, from `apply` on every process): the plain model the loop gathers
+        after training takes it, and the method state has the format it has without FSDP. The scalars FSDP2 trains
+        with shape [1] take their 0-d shape back, as the gathered model's do."""
+        if self.average is None or not any(isinstance(a, DTensor) for a in self.average.values()):
+            return
+        self.average = {name: value.full_tensor() if isinstance(value, DTensor) else value
+                        for name, value in self.average.items()}
+        self.scalars = [name for name, value in self.average.items() if value.shape == (1,)]
+
     def _targets(self, model: nn.Module, check: bool = True) -> tuple[list[str], list[torch.Tensor]]:
         """The floating-point tensors of `model`'s state dict (sharing the weights' storage), by name; the mean moved
         beside them if it is not offloaded and was restored on another device."""
@@ -244,6 +263,8 @@ class WeightEnsemble:
                                  "modules changed since the mean started")
             for name, target in zip(names, targets, strict=True):
                 average = self.average[name]
+                if target.dim() == 0 and average.shape == (1,) and name in self.scalars:
+                    average = self.average[name] = average.reshape(())  # trained as [1] under FSDP2
                 if average.shape != target.shape:
                     raise ValueError(f"WeightEnsemble: {name} has shape {tuple(target.shape)}, the mean's "
                                      f"{tuple(average.shape)}")
@@ -285,8 +306,7 @@ class WeightEnsembleConfig(MethodConfig):
 class WeightEnsembleMethod(ContinualMethod[WeightEnsembleConfig]):
     """ZSCL's weight ensemble: deploy the running mean of the weights along each task's training (module docstring)."""
 
-    fsdp_refusal = ("its weight ensemble averages the student's parameters during training, and FSDP2 holds those as "
-                    "shards")
+    fsdp_refusal = None  # trains sharded as unsharded; the mean is kept as shards (tests/test_fsdp.py)
     name = "weight_ensemble"
     test_options = {"every": 1}  # an ensemble step within a few-step task
     same_step_as = "zscl"

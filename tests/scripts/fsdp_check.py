@@ -47,10 +47,11 @@ def main() -> None:
         family, _, names = run.partition(":")
         methods = names.split("+")
         log, sharded = LogRecorder(), Sharded()
-        training = {"optim": "sgd", "learning_rate": 0.05, "max_steps": 2, "per_device_train_batch_size": 8,
+        training = {"optim": "sgd", "learning_rate": 0.05, "per_device_train_batch_size": 8,
                     **({"fsdp": True} if mode == "fsdp" else {})}
         learner = run_method(methods, output_dir / mode / run.replace(":", "_"), training, family=family,
-                             callbacks=[log, sharded], save_checkpoints=True)
+                             callbacks=[log, sharded], save_checkpoints=True,  # a budget of 2 steps per task
+                             samples_per_task=2 * 8 * state.num_processes)
         if state.is_main_process:
             tensors = {name: value.detach().cpu().contiguous() for name, value in learner.model.state_dict().items()}
             for method in learner.methods:
