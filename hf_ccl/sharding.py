@@ -11,7 +11,7 @@ task end) see exactly what they see without FSDP, and every `task-<k>/` checkpoi
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -44,7 +44,8 @@ def wrap_classes(model: nn.Module) -> list[str]:
     """The layer classes each FSDP unit wraps by default: the model's `_no_split_modules` (transformers' own list),
     less any class that holds the token embedding (accelerate shards the input embedding as a unit of its own, and
     sharding it twice fails: `fully_shard` of an already sharded parameter)."""
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    get_embedding = getattr(model, "get_input_embeddings", None)
+    embedding = get_embedding() if callable(get_embedding) else None
     classes = []
     for name in getattr(model, "_no_split_modules", None) or []:
         holders = [module for module in model.modules() if type(module).__name__ == name]
@@ -64,14 +65,15 @@ def shard_ready(model: ContinualDualEncoder, plugin: Any) -> list[str]:
 
 def plain_class(model: nn.Module) -> type[nn.Module]:
     """The class `fully_shard` subclassed (`FSDP<Class>` has bases `(FSDPModule, Class)`)."""
-    return next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
+    return next(cls for cls in type(model).__mro__ if issubclass(cls, nn.Module) and not issubclass(cls, FSDPModule))
 
 
 def gather_model(model: nn.Module, scalars: list[str]) -> ContinualDualEncoder:
     """A plain (unsharded) model of `model`'s class holding its full weights, on every process (a collective call:
     every process must call it), with the `scalars` squeezed back to 0-d; `requires_grad`, buffers and train/eval
     mode as in `model`. The sharded model is left as it is (the caller drops it)."""
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # every rank: full tensors
+    full = cast(dict[str, torch.Tensor],  # every rank: full tensors
+                get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
     for name in scalars:
         full[name] = full[name].reshape(())
     cls = plain_class(model)

@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("components", ("hf_ccl.methods", "hf_ccl.evaluation", "hf_ccl.metrics", "hf_ccl.data", "hf_ccl.modeling",
                     "hf_ccl.families", "hf_ccl.processors", "hf_ccl.tokenization", "hf_ccl.tokenization_unigram",
                     "hf_ccl.class_prompts", "hf_ccl.pair_features", "hf_ccl.compute", "hf_ccl.heads", "hf_ccl.losses",
-                    "hf_ccl.accumulation", "hf_ccl.step_meter", "hf_ccl.catalog")),
+                    "hf_ccl.accumulation", "hf_ccl.step_meter", "hf_ccl.catalog", "hf_ccl.sharding")),
     ("utilities", ("hf_ccl.callbacks", "hf_ccl.state_files", "hf_ccl.checkpoint_files", "hf_ccl.distributed",
                    "hf_ccl.files", "hf_ccl.paths", "hf_ccl.safe_yaml", "hf_ccl.validation", "hf_ccl.training_options",
                    "hf_ccl.version", "hf_ccl.arguments", "hf_ccl.training_defaults")),
