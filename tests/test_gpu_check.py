@@ -57,6 +57,8 @@ def test_each_step_is_the_command_a_user_runs(tmp_path):
     processes = {name: steps[name].command[steps[name].command.index("--num_processes") + 1] for name in steps
                  if name != "method-speed"}
     assert processes == {"one-gpu": "1", "ddp-2gpu": "2", "fsdp2-2gpu": "2", "bf16": "1", "compile": "1"}
+    gpu_ids = {name: steps[name].command[steps[name].command.index("--gpu_ids") + 1] for name in processes}
+    assert gpu_ids == {"one-gpu": "0", "ddp-2gpu": "0,1", "fsdp2-2gpu": "0,1", "bf16": "0", "compile": "0"}
     assert "--multi_gpu" in steps["ddp-2gpu"].command
     assert {"--use_fsdp", "--fsdp_version", "2"} <= set(steps["fsdp2-2gpu"].command)
     assert "training.bf16=true" in steps["bf16"].command
@@ -107,7 +109,11 @@ def test_step_status_timeout_and_result_files(tmp_path, monkeypatch, capsys):
     steps = [stand_in("ok", "print('trained')"),
              stand_in("refused", "import sys; print('hf-ccl: error: FSDP needs a GPU', file=sys.stderr); sys.exit(2)",
                       may_refuse=True),
-             stand_in("failed", "raise SystemExit(1)"),
+             stand_in("refused-under-a-launcher", "print('hf-ccl: error: one process'); print('  exitcode  : 2 (pid: 7)');"
+                      " raise SystemExit(1)", may_refuse=True),
+             stand_in("refused-one-process", "print('hf-ccl: error: bf16'); print('... returned non-zero exit status 2.');"
+                      " raise SystemExit(1)", may_refuse=True),
+             stand_in("failed", "print('hf-ccl: error: disk full'); raise SystemExit(1)"),
              stand_in("slow", sleeper, timeout_s=3)]
     device = {"device": "NVIDIA H100 80GB HBM3", "gpus": 1, "driver": "575.57", "torch": "2.13.0", "cuda": "12.8",
               "bf16": True, "memory_gib": 79.2}
@@ -119,10 +125,12 @@ def test_step_status_timeout_and_result_files(tmp_path, monkeypatch, capsys):
     report = json.loads((tmp_path / "results" / "gpu_check_nvidia-h100-80gb-hbm3.json").read_text())
     assert report["device"] == device["device"] and report["driver"] == "575.57" and report["gpus"] == 1
     status = {step["name"]: step["status"] for step in report["steps"]}
-    assert status == {"ok": "passed", "refused": "refused", "failed": "failed", "slow": "timed out"}
+    assert status == {"ok": "passed", "refused": "refused", "refused-under-a-launcher": "refused",
+                      "refused-one-process": "refused", "failed": "failed",
+                      "slow": "timed out"}
     refused = report["steps"][1]
     assert refused["refusal"] == "hf-ccl: error: FSDP needs a GPU" and refused["returncode"] == 2
-    assert "trained" in report["steps"][0]["tail"] and 3 <= report["steps"][3]["wall_s"] < 30
+    assert "trained" in report["steps"][0]["tail"] and 3 <= report["steps"][5]["wall_s"] < 30
     assert ended(int(child.read_text()))  # the timed-out step's own child was ended with it
     markdown = (tmp_path / "results" / "gpu_check_nvidia-h100-80gb-hbm3.md").read_text()
     assert markdown.startswith("# GPU check: NVIDIA H100 80GB HBM3")
