@@ -1,7 +1,7 @@
-"""The GPU method-speed table in one command: images per second of every method at ViT-B/16 with bf16,
+"""The GPU method-speed table in one command: images per second of every method at ViT-B/16 (or `--size`) with bf16,
 `torch.compile` and gradient accumulation, ratios to `finetune` beside their limits, peak CUDA memory.
 
-    python benchmarks/gpu_speed.py [--batch 128] [--accumulation 2] [--steps 10] [--rounds 2]
+    python benchmarks/gpu_speed.py [--size vit-b-16] [--batch 128] [--accumulation 2] [--steps 10] [--rounds 2]
 
 Runs `benchmarks/method_speed.py` with those settings and writes benchmarks/results/method_speed_gpu.md, the device
 named in it. Refuses to run without a CUDA device (the CPU table is `method_speed.py`'s).
@@ -21,6 +21,7 @@ import method_speed  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="vit-b-16", choices=sorted(method_speed.SIZES))
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
@@ -29,9 +30,11 @@ def main() -> None:
     parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "method_speed_gpu.md"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("gpu_speed.py needs a CUDA device; on a CPU run benchmarks/method_speed.py")
+        print("gpu_speed.py: error: needs a CUDA GPU: torch.cuda.is_available() is False; on a CPU run "
+              "benchmarks/method_speed.py", file=sys.stderr)
+        sys.exit(2)
     sys.argv = [
-        "method_speed.py", "--size", "vit-b-16", "--batch", str(args.batch), "--accumulation", str(args.accumulation),
+        "method_speed.py", "--size", args.size, "--batch", str(args.batch), "--accumulation", str(args.accumulation),
         "--steps", str(args.steps), "--rounds", str(args.rounds), "--bf16", "--epochs", "3", "--output", args.output,
         *([] if args.no_compile else ["--compile"]),
     ]

@@ -34,6 +34,20 @@ from .validation import (
     type_hints,
 )
 
+#: Why DeepSpeed cannot train an hf_ccl run, each holding on any device: measured with DeepSpeed 0.19.8 (torch 2.13,
+#: accelerate 1.15, transformers 5.23) on 2 CPU processes, where ZeRO 1-3 do train a plain Trainer and SigLIP. Each fact
+#: is re-checked by tests/scripts/deepspeed_limits.py, so tests/test_deepspeed.py fails when a release lifts one.
+DEEPSPEED_LIMITS: dict[str, str] = {
+    "scalar": "its engine refuses the 0-d logit_scale of CLIP, AltCLIP, Chinese-CLIP and MetaCLIP 2 when it "
+    "broadcasts the parameters: \"self.dim() cannot be 0 to view Float as Byte (different element sizes)\"",
+    "step": "accelerate's backward also steps the optimizer (DeepSpeed's engine.step), so the methods that edit or "
+    "read gradients before the step (pre_optimizer_step: GEM, A-GEM, TEIR, DNS, SI, ...) act after it, and ZeRO-2 "
+    "leaves no .grad to read (measured: A-GEM's weights drift from the DDP run's)",
+    "zero3": "ZeRO-3 leaves each process an empty tensor for every parameter outside forward, so teachers, momentum "
+    "models and anchors copied from the student are empty, and hf_ccl's evaluation and checkpoints on the main "
+    "process alone wait forever in DeepSpeed's all-gather",
+    "accumulation": "hf_ccl's exact accumulated step (gradient_accumulation_steps > 1) has no DeepSpeed path",
+}
 _EVALUATED = "hf_ccl evaluates every task itself after it has trained (the results matrix; its batch size is "\
     "evaluation.batch_size), so the Trainer never evaluates"
 _TASK_SEEDS = "hf_ccl seeds task k with seed + k (model init, data order, caption sampling): set the top-level seed"
@@ -83,11 +97,10 @@ REFUSED: dict[str, str] = {
     "auto_find_batch_size": "the compute budget (samples_per_task) and the methods' state need the batch size "
     "you set: lower per_device_train_batch_size (with gradient_accumulation_steps) yourself",
     "local_rank": "the launcher sets it (accelerate launch, torchrun)",
-    "deepspeed": "under DeepSpeed, accelerate's backward also steps the optimizer (DeepSpeed's engine.step), before "
-    "the methods' gradient edits (GEM's projection, pre_optimizer_step) could run, and ZeRO partitions the parameters "
-    "the methods' anchors, teachers and importances read; DeepSpeed is not installed with hf_ccl and its step has "
-    "not been run under it: train with DDP (accelerate launch --multi_gpu) and, to fit a larger model, "
-    "training.bf16, training.gradient_checkpointing or the lora method",
+    "deepspeed": "DeepSpeed 0.19.8's ZeRO 1-3 train a plain Trainer (measured on 2 CPU processes) but not an "
+    "hf_ccl run: " + "; ".join(
+        DEEPSPEED_LIMITS.values()) + ". Train with DDP (accelerate launch --multi_gpu) and, to fit a larger model, "
+    "FSDP2 on GPUs (training.fsdp), training.bf16, training.gradient_checkpointing or the lora method",
     "parallelism_config": "context and tensor parallelism split each example's tokens or each layer across "
     "processes, which hf_ccl's step (it replaces Trainer.training_step, which prepares context-parallel inputs) and "
     "its contrastive loss over the global batch do not support: use DDP (accelerate launch --multi_gpu)",

@@ -127,7 +127,7 @@ def _refused(tmp_path, capsys, *overrides, config="digits"):
         (["stream={builder: by_column, train: pacs, column: 3, values: [photo]}"], "stream.column must be a string"),
         (["stream=[digits]"], "stream must be a string or a mapping, got ['digits']"),
         (["training.epochs=3"], "Unknown training option(s) ['epochs']"),
-        (["training.deepspeed=ds_config.json"], "training.deepspeed is not taken: under DeepSpeed, accelerate's backward"),
+        (["training.deepspeed=ds_config.json"], "training.deepspeed is not taken: DeepSpeed 0.19.8's ZeRO 1-3 train a"),
         (["training.optim=lomo"], "training.optim='lomo' is not taken: LOMO optimizers update each parameter inside"),
         (["training.optim=adalomo"], "training.optim='adalomo' is not taken"),
         (["training.parallelism_config={cp_size: 2}"], "training.parallelism_config is not taken: context and tensor"),
