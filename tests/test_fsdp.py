@@ -158,7 +158,7 @@ def check_against_ddp(output_dir: Path, runs: list[str]) -> None:
         sharded, plain = (json.loads((output_dir / f"{mode}-{key}.json").read_text()) for mode in ("fsdp", "ddp"))
         assert sharded["sharded"] == [True, True] and plain["sharded"] == [False, False], run
         assert sharded["model_class"] == plain["model_class"], run  # the gathered model is the plain class
-        assert len(sharded["losses"]) == len(plain["losses"]) == 4, run
+        assert len(sharded["losses"]) == len(plain["losses"]) >= 4, run  # 2 tasks x 2 steps (oracle: t x 2)
         for (task, loss), (other_task, other) in zip(sharded["losses"], plain["losses"], strict=True):
             assert task == other_task and abs(loss - other) <= 1e-5 * max(1.0, abs(other)), (run, loss, other)
         weights, reference = (load_file(output_dir / f"{mode}-{key}.safetensors") for mode in ("fsdp", "ddp"))
