@@ -35,9 +35,9 @@ CHECK_SCRIPT, CLI_SCRIPT, LIMITS_SCRIPT = SCRIPTS / "fsdp_check.py", SCRIPTS / "
 #: Methods that train sharded (`fsdp_refusal = None`), by the step mechanism they share.
 SHARDED_METHODS = sorted(name for name, cls in METHOD_CLASSES.items() if cls.fsdp_refusal is None)
 #: The default launch: CLIP (its 0-d logit_scale reshaped) with finetune, SigLIP (the sigmoid loss, a (1,) logit_bias)
-#: with Mod-X's teacher, and ZSCL (a weight mean kept as shards); every family and every method that trains sharded
-#: under `-m slow`.
-DEFAULT_RUNS = ["clip:finetune", "siglip:modx", "clip:zscl"]
+#: with Mod-X's teacher, ZSCL (a weight mean kept as shards) and EWC (a penalty over each process's shards); every
+#: family and every method that trains sharded under `-m slow`.
+DEFAULT_RUNS = ["clip:finetune", "siglip:modx", "clip:zscl", "clip:ewc"]
 SLOW_RUNS = ([f"{family}:finetune" for family in FAMILIES if family != "clip"]
              + [f"clip:{name}" for name in SHARDED_METHODS if f"clip:{name}" not in DEFAULT_RUNS])
 
@@ -100,9 +100,9 @@ def test_fsdp2_combinations_that_do_not_work_are_refused(training, match):
 def test_methods_that_cannot_train_sharded_are_refused_with_their_reason():
     args = SimpleNamespace(training={"fsdp": True})
     check_fsdp_methods(args, build_methods(["finetune", "modx", "er"]))
-    with pytest.raises(ConfigError, match="method 'ewc' cannot train under FSDP2: its penalty compares the student's "):
-        check_fsdp_methods(args, build_methods(["finetune", "ewc"]))
-    check_fsdp_methods(SimpleNamespace(training={}), build_methods(["ewc"]))  # without FSDP: taken
+    with pytest.raises(ConfigError, match="method 'si' cannot train under FSDP2: its importance accumulates each step"):
+        check_fsdp_methods(args, build_methods(["finetune", "si"]))
+    check_fsdp_methods(SimpleNamespace(training={}), build_methods(["si"]))  # without FSDP: taken
 
 
 def test_every_method_says_whether_it_trains_sharded_and_each_that_does_is_launched():
@@ -110,7 +110,7 @@ def test_every_method_says_whether_it_trains_sharded_and_each_that_does_is_launc
         assert cls.fsdp_refusal is None or (isinstance(cls.fsdp_refusal, str) and cls.fsdp_refusal), name
     launched = {run.split(":")[1] for run in DEFAULT_RUNS + SLOW_RUNS}
     assert set(SHARDED_METHODS) <= launched
-    assert {"finetune", "modx", "derpp", "lwf", "er", "der"} <= set(SHARDED_METHODS)
+    assert {"finetune", "modx", "derpp", "lwf", "er", "der", "zscl", "ctp", "ewc", "mas"} <= set(SHARDED_METHODS)
 
 
 # ----- the model readied for sharding ------------------------------------------------------------------------------
@@ -220,14 +220,14 @@ def test_a_sharded_run_resumes_exactly_from_a_task_checkpoint(tmp_path):
 def test_a_method_that_cannot_train_sharded_is_refused_on_every_process_before_anything_is_built(tmp_path):
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "--main_process_port", "0", str(CLI_SCRIPT), *CLI_ARGS, "methods=[ewc]",
+               "--main_process_port", "0", str(CLI_SCRIPT), *CLI_ARGS, "methods=[si]",
                f"output_dir={tmp_path / 'run'}"]
     from test_distributed import user_env
 
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=user_env())
     assert result.returncode != 0
     errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("hf-ccl: error:")]
-    assert len(errors) == 2 and all("method 'ewc' cannot train under FSDP2" in line for line in errors), errors
+    assert len(errors) == 2 and all("method 'si' cannot train under FSDP2" in line for line in errors), errors
     assert not (tmp_path / "run").exists()
 
 

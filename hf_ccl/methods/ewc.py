@@ -89,6 +89,7 @@ class EWCConfig(QuadraticPenaltyConfig):
 class EWC(QuadraticPenaltyMethod[EWCConfig]):
     """Online EWC: a Fisher-weighted pull towards the parameters at the end of the previous task."""
 
+    fsdp_refusal = None  # the penalty over each process's shards (tests/test_fsdp.py)
     name = "ewc"
     test_families = ("siglip",)
     trains_pair_tasks = True  # on pair tasks: the trainable heads, with the pair loss (CMCL's baselines)

@@ -76,6 +76,7 @@ class MASConfig(QuadraticPenaltyConfig):
 class MAS(QuadraticPenaltyMethod[MASConfig]):
     """Memory Aware Synapses: importance = sensitivity of the embeddings' squared norm to each parameter."""
 
+    fsdp_refusal = None  # the penalty over each process's shards (tests/test_fsdp.py)
     name = "mas"
     test_options = {"importance_batch_size": 8, "importance_max_batches": 1}  # the importance pass (a backward pass per example) on 8 examples
     same_step_as = "ewc"

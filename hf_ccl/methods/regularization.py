@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..class_prompts import class_prompt_loss
 from ..distributed import all_reduce_sum_, rank, world_size
@@ -205,13 +206,34 @@ class _RowEntry:
 
 @dataclass
 class _Aligned:
-    """The penalty's operands on the parameters' devices: dense tensors and row-compacted ones."""
+    """The penalty's operands on the parameters' devices: dense tensors and row-compacted ones; under FSDP2, each
+    process's shards of the parameters FSDP2 holds as shards, and of their anchors and importances."""
 
     key: tuple
     params: list[torch.Tensor]
     anchors: list[torch.Tensor]
     importances: list[torch.Tensor]
     rows: list[_RowEntry]
+    shards: list[DTensor] = field(default_factory=list)
+    shard_anchors: list[torch.Tensor] = field(default_factory=list)
+    shard_importances: list[torch.Tensor] = field(default_factory=list)
+
+
+def local_shard(whole: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """This process's shard of `whole` (a tensor every process holds in full), laid out as the FSDP2 parameter
+    `like` (a collective call); a 0-d tensor FSDP2 trains as [1] is reshaped first."""
+    whole = whole.to(device=like.device, dtype=like.dtype).reshape(like.shape)
+    return distribute_tensor(whole, like.device_mesh, like.placements).to_local()
+
+
+def sharded_penalty(params: Sequence[DTensor], anchors: Sequence[torch.Tensor],
+                    importances: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Σ Ω (θ − θ*)² over parameters FSDP2 holds as shards: each process sums its own shards (its gradient,
+    2 Ω (θ − θ*), reaches exactly its shards, as DDP's averaged gradient of the whole sum would), and the value is
+    the sum over processes (an all-reduce outside autograd)."""
+    local = weighted_squares([param.to_local() for param in params], anchors, importances)
+    total = all_reduce_sum_(local.detach().clone())
+    return local + (total - local.detach())
 
 
 def nonzero_rows(values: torch.Tensor) -> torch.Tensor:
@@ -257,6 +279,8 @@ class QuadraticPenalty:
             return None
         aligned = self._aligned(model)
         terms = [entry.value() for entry in aligned.rows]
+        if aligned.shards:
+            terms.append(sharded_penalty(aligned.shards, aligned.shard_anchors, aligned.shard_importances))
         if aligned.params:
             terms.append(weighted_squares(aligned.params, aligned.anchors, aligned.importances))
         return torch.stack(terms).sum() if len(terms) > 1 else terms[0]
@@ -275,6 +299,8 @@ class QuadraticPenalty:
         return self._aligned_cache
 
     def _build(self, key: tuple, params: list[torch.Tensor], token_name: str | None) -> _Aligned:
+        if any(isinstance(param, DTensor) for param in params):
+            return self._build_sharded(key, params)
         aligned = _Aligned(key, [], [], [], [])
         for name, param in zip(list(self.importance), params, strict=True):
             self.anchor[name] = anchor = fit_rows(self.anchor[name], param, param, name)
@@ -286,6 +312,27 @@ class QuadraticPenalty:
                 aligned.params.append(param)
                 aligned.anchors.append(anchor)
                 aligned.importances.append(importance)
+        return aligned
+
+    def _build_sharded(self, key: tuple, params: list[torch.Tensor]) -> _Aligned:
+        """Under FSDP2, once per task: each process's shards of the anchors and importances of the parameters held
+        as shards; the parameters FSDP2 holds whole at the loss (the root's, unsharded from its forward until the
+        backward) keep whole ones, reshaped like them (a 0-d parameter trained as [1]). Dense only: FSDP2 takes no
+        sparse gradient. The whole anchors and importances stay the method state, in the unsharded format."""
+        aligned = _Aligned(key, [], [], [], [])
+        for name, param in zip(list(self.importance), params, strict=True):
+            anchor, importance = self.anchor[name], self.importance[name]
+            if anchor.numel() != param.numel():
+                raise ValueError(f"Parameter {name!r} has shape {tuple(param.shape)} but its stored penalty state "
+                                 f"has {tuple(anchor.shape)}; a vocabulary grown under FSDP2 is not supported")
+            if isinstance(param, DTensor):
+                aligned.shards.append(param)
+                aligned.shard_anchors.append(local_shard(anchor, param))
+                aligned.shard_importances.append(local_shard(importance, param))
+            else:
+                aligned.params.append(param)
+                aligned.anchors.append(anchor.to(device=param.device, dtype=param.dtype).reshape(param.shape))
+                aligned.importances.append(importance.to(device=param.device, dtype=param.dtype).reshape(param.shape))
         return aligned
 
     def state_dict(self) -> dict[str, Any]:
@@ -314,8 +361,6 @@ class QuadraticPenaltyMethod(ContinualMethod[QuadraticPenaltyConfigT]):
     that trained each parameter. On a full CLIP every covered parameter trains every task, so this is the usual rule.
     """
 
-    fsdp_refusal = ("its penalty compares the student's parameters with whole anchors and importances at every step, and "
-                    "FSDP2 holds those parameters as shards during training")
     config_class = QuadraticPenaltyConfig
     roles = {"previous_model": "penalises moving away from the previous task's weights"}
 

@@ -136,6 +136,8 @@ class PathIntegral:
 class SI(QuadraticPenaltyMethod[SIConfig]):
     """Synaptic Intelligence: importance from each parameter's contribution to the loss drop along the path."""
 
+    fsdp_refusal = ("its importance accumulates each step's gradient times update over the parameters (the path "
+                    "integral), which FSDP2 holds as shards during training")
     name = "si"
     test_families = ("metaclip_2",)
     trains_pair_tasks = True  # on pair tasks: the trainable heads, with the pair loss (CMCL's baselines)

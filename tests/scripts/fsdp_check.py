@@ -3,8 +3,8 @@
 state the test compares across the two launches.
 
 Arguments: the output folder, `fsdp` or `ddp`, and the runs as `family:method[+method]` separated by commas. Each
-run trains 2 tasks x 2 steps with plain SGD (AdamW would turn float-rounding differences of near-zero gradients into
-whole learning-rate steps) and writes, on rank 0, `<run>.safetensors` (the model after the last task, then
+run trains 2 tasks x 2 steps with plain SGD and no warm-up (AdamW would turn float-rounding differences of
+near-zero gradients into whole learning-rate steps; a warm-up step of rate 0 would leave a penalty at 0) and writes, on rank 0, `<run>.safetensors` (the model after the last task, then
 `method/<name>/<path>` for every tensor of every method's state) and `<run>.json` (each step's loss, the model's
 class, and whether the Trainer was sharded). FSDP2 runs on CPU through `fsdp_on_cpu.keep_fsdp_on_cpu` (see there).
 """
@@ -22,8 +22,13 @@ from transformers import TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the method matrix
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import method_matrix  # noqa: E402
 from fsdp_on_cpu import keep_fsdp_on_cpu  # noqa: E402
 from method_matrix import LogRecorder, flat_state, run_method  # noqa: E402
+
+#: Penalty strengths large enough that the penalty moves the weights in the second task's 2 steps (at the tests'
+#: defaults it stays below float32 resolution there), so that a wrong sharded penalty gradient shows.
+STRONGER = {"ewc": {"ewc_lambda": 1e6}, "mas": {"mas_lambda": 1e6}}
 
 
 class Sharded(TrainerCallback):
@@ -43,11 +48,13 @@ def main() -> None:
     if mode == "fsdp":
         keep_fsdp_on_cpu()
     state = PartialState(cpu=True)
+    for name, options in STRONGER.items():
+        method_matrix.METHOD_ARGS[name] = {**method_matrix.METHOD_ARGS.get(name, {}), **options}
     for run in runs:
         family, _, names = run.partition(":")
         methods = names.split("+")
         log, sharded = LogRecorder(), Sharded()
-        training = {"optim": "sgd", "learning_rate": 0.05, "per_device_train_batch_size": 8,
+        training = {"optim": "sgd", "learning_rate": 0.05, "warmup_steps": 0, "per_device_train_batch_size": 8,
                     **({"fsdp": True} if mode == "fsdp" else {})}
         learner = run_method(methods, output_dir / mode / run.replace(":", "_"), training, family=family,
                              callbacks=[log, sharded], save_checkpoints=True,  # a budget of 2 steps per task
@@ -61,6 +68,8 @@ def main() -> None:
             key = run.replace(":", "_")
             save_file(tensors, output_dir / f"{mode}-{key}.safetensors")
             report = {"losses": [[task, logs["loss"]] for task, logs in log.logs if "loss" in logs],
+                      "terms": [[task, {k: v for k, v in logs.items() if k.startswith("loss/")}]
+                                for task, logs in log.logs if "loss" in logs],
                       "model_class": type(learner.model).__name__, "sharded": sharded.sharded,
                       "checkpoint": str(output_dir / mode / key / "task-1")}
             (output_dir / f"{mode}-{key}.json").write_text(json.dumps(report))
