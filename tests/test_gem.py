@@ -239,8 +239,9 @@ class RecordingAGEM(AGEM):
         self._ref: torch.Tensor | None = None
 
     def reference_gradient(self, model, context, params):  # noqa: ANN001, ANN201
-        self._ref = super().reference_gradient(model, context, params)
-        return self._ref
+        ref = super().reference_gradient(model, context, params)
+        self._ref = ref.clone()  # the method's scratch buffer, overwritten at the next step
+        return ref
 
     def pre_optimizer_step(self, model, context) -> None:  # noqa: ANN001
         before, self._ref = _grads(model), None

@@ -82,7 +82,17 @@ from ..data.task import ModelPart
 from ..pair_features import FEATURE_COLUMNS, PairFeatureCollator
 from ..validation import ConfigError, check_range
 from .base import ContinualMethod, MethodConfig, TaskContext, pair_modalities
-from .gem_projection import agem_project, combine, flat_grad, gem_dual, gem_products, gram, write_flat_grad
+from .gem_projection import (
+    add_to_grads_,
+    agem_coefficient,
+    agem_project,
+    combine,
+    flat_grad,
+    gem_dual,
+    gem_products,
+    gram,
+    write_flat_grad,
+)
 from .registry import register_method
 from .regularization import batch_contrastive_loss
 
@@ -310,11 +320,13 @@ class EpisodicMemoryMethod(ContinualMethod[EpisodicMemoryConfigT]):
         self._collated: dict[int, dict[str, torch.Tensor]] = {}
         self._collated_for: tuple[Any, torch.device] | None = None
         self._selection: tuple[nn.Module, list[str], list[nn.Parameter]] | None = None
+        self._scratch_buffers: dict[str, torch.Tensor] = {}
 
     # ----- hooks -------------------------------------------------------------------------------------------------
     def on_task_start(self, context: TaskContext) -> None:
         """Refuse streaming train splits of the tasks whose memory a later task needs (all but the last)."""
         self._collated, self._collated_for, self._selection = {}, None, None
+        self._scratch_buffers = {}
         later = context.stream.tasks[context.task_index : len(context.stream) - 1]
         streaming = [task.name for task in later if is_streaming(task.train)]
         if streaming:
@@ -518,7 +530,25 @@ class EpisodicMemoryMethod(ContinualMethod[EpisodicMemoryConfigT]):
         if not self.past_memories(context):
             return None
         _, params = self.selected_parameters(model)
-        return params, flat_grad(params)
+        return params, flat_grad(params, out=self._scratch("g", (self._numel(params),), params))
+
+    @staticmethod
+    def _numel(params: Sequence[nn.Parameter]) -> int:
+        return sum(p.numel() for p in params)
+
+    def _scratch(self, name: str, shape: tuple[int, ...], params: Sequence[nn.Parameter]) -> torch.Tensor:
+        """An uninitialised tensor of `shape` in the parameters' dtype and device for this step's `name` (the flat g,
+        G, g_ref). On the CPU it is kept and reused from step to step (dropped at task start): glibc serves a tensor
+        this large (over 32 MiB) with fresh pages from the kernel, faulted in again at every step (a flat ViT-B/32
+        gradient: about 6x the cost of the copy into it). An accelerator's caching allocator reuses memory itself:
+        there a fresh tensor is returned and nothing is held between steps."""
+        dtype, device = params[0].dtype, params[0].device
+        if device.type != "cpu":
+            return torch.empty(shape, dtype=dtype, device=device)
+        buffer = self._scratch_buffers.get(name)
+        if buffer is None or buffer.shape != shape or buffer.dtype != dtype:
+            buffer = self._scratch_buffers[name] = torch.empty(shape, dtype=dtype, device=device)
+        return buffer
 
     # ----- state ---------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -575,10 +605,11 @@ class GEM(EpisodicMemoryMethod[GEMConfig]):
         self, model: ContinualDualEncoder, context: TaskContext, params: Sequence[nn.Parameter]
     ) -> tuple[list[TaskMemory], torch.Tensor]:
         """The constraining past memories (`constraining_memories`) and G [k, P]: row k the gradient of task k's
-        memory loss (its whole memory, one batch) w.r.t. `params`, in their dtype."""
+        memory loss (its whole memory, one batch) w.r.t. `params`, in their dtype (on the CPU a scratch buffer that
+        the next step overwrites)."""
         memories = self.constraining_memories(model, context, params)
         device = params[0].device
-        G = torch.empty(len(memories), sum(p.numel() for p in params), dtype=params[0].dtype, device=device)
+        G = self._scratch("G", (len(memories), self._numel(params)), params)
         for row, memory in zip(G, memories, strict=True):
             self.loss_gradient(model, context, params, self.memory_batch(context, [(memory, None)], device), out=row)
         return memories, G
@@ -604,7 +635,7 @@ class GEM(EpisodicMemoryMethod[GEMConfig]):
             return
         config = self.config
         v = gem_dual(GGt, Gg, config.memory_strength, config.qp_eps, config.qp_tol)
-        write_flat_grad(params, combine(g, G, v))
+        write_flat_grad(params, combine(g, G, v, out=g))  # g̃ over g (its buffer), which is not read again
         v_on = v.to(GGt.device)
         change2, norm2 = float(v_on @ GGt @ v_on), float(gg)  # ‖g̃ − g‖² = ‖Gᵀv‖² = vᵀGGᵀv
         self._metrics.update(
@@ -660,12 +691,14 @@ class AGEM(EpisodicMemoryMethod[AGEMConfig]):
         self, model: ContinualDualEncoder, context: TaskContext, params: Sequence[nn.Parameter]
     ) -> torch.Tensor:
         """g_ref: the gradient of the contrastive loss on this step's memory batch w.r.t. `params` (on pair tasks,
-        of Σ_k (n_k / n) L_k over the tasks drawn from: `pair_reference_gradient`)."""
+        of Σ_k (n_k / n) L_k over the tasks drawn from: `pair_reference_gradient`). On the CPU the tensor is a
+        scratch buffer that the next step overwrites (`_scratch`)."""
         parts, order = self.reference_rows(context)
         if trains_heads(self.memory_task(context, parts[0][0])):
             return self.pair_reference_gradient(model, context, params, parts)
         batch = self.memory_batch(context, parts, params[0].device, order)
-        return self.loss_gradient(model, context, params, batch)
+        out = self._scratch("g_ref", (self._numel(params),), params)
+        return self.loss_gradient(model, context, params, batch, out=out)
 
     def pair_reference_gradient(
         self,
@@ -702,8 +735,9 @@ class AGEM(EpisodicMemoryMethod[AGEMConfig]):
             raise self._nonfinite_memory("A-GEM reference gradient", context)
         if gg > 0 and rr > 0:
             self._metrics["ref_cosine"] = gr / (gg * rr) ** 0.5
-        projected, changed = agem_project(g, g_ref, (gr, rr))
-        if not changed:
+        alpha = agem_coefficient(gr, rr)
+        if alpha is None:
             return
-        write_flat_grad(params, projected)
+        if not add_to_grads_(params, g_ref, alpha):  # in place on p.grad where it can be (the same values)
+            write_flat_grad(params, agem_project(g, g_ref, (gr, rr))[0])
         self._metrics.update(projected=1.0, grad_change=abs(gr) / (gg * rr) ** 0.5)  # ‖g̃ − g‖ = |gᵀr| / ‖r‖

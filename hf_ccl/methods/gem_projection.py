@@ -172,11 +172,14 @@ def dots(G: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return gem_products(G, g)[1]
 
 
-def combine(g: torch.Tensor, G: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """g + Gᵀv (= g + Σ_k v_k g_k) in one pass, in g's dtype (at least float32 inside) and device."""
+def combine(g: torch.Tensor, G: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """g + Gᵀv (= g + Σ_k v_k g_k) in one pass, in g's dtype (at least float32 inside) and device; written into
+    `out` (a buffer of g's shape, dtype and device that does not overlap g) where given and g is float32 or float64."""
     work = _work(g)
-    out = torch.addmv(work, _work(G.to(g.device)).T.to(work.dtype), v.to(g.device, work.dtype))
-    return out.to(g.dtype)
+    matrix, weights = _work(G.to(g.device)).T.to(work.dtype), v.to(g.device, work.dtype)
+    if out is not None and work is g:
+        return torch.addmv(work, matrix, weights, out=out)
+    return torch.addmv(work, matrix, weights).to(g.dtype)
 
 
 def gem_dual(GGt: torch.Tensor, Gg: torch.Tensor, margin: float = 0.5, eps: float = 1e-3, tol: float = 1e-10
@@ -207,17 +210,26 @@ def agem_project(
     if products is None:
         Q = gram([g, g_ref])
         products = (float(Q[0, 1]), float(Q[1, 1]))
-    dot, norm2 = products
-    if norm2 == 0.0 or dot >= 0.0:
+    alpha = agem_coefficient(*products)
+    if alpha is None:
         return g, False
     work = _work(g)
-    projected = work.add(_work(g_ref.to(g.device)).to(work.dtype), alpha=-dot / norm2)
+    projected = work.add(_work(g_ref.to(g.device)).to(work.dtype), alpha=alpha)
     return projected.to(g.dtype), True
 
 
+def agem_coefficient(dot: float, norm2: float) -> float | None:
+    """−gᵀg_ref / g_refᵀg_ref from `dot` = gᵀg_ref and `norm2` = g_refᵀg_ref, or None where A-GEM leaves g alone
+    (gᵀg_ref ≥ 0, or g_ref = 0)."""
+    if norm2 == 0.0 or dot >= 0.0:
+        return None
+    return -dot / norm2
+
+
 # ----- flat gradients of a list of parameters --------------------------------------------------------------------
-def flat_grad(params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The parameters' `.grad` as one vector (zeros for a missing grad; a sparse grad densified)."""
+def flat_grad(params: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """The parameters' `.grad` as one vector (zeros for a missing grad; a sparse grad densified), written into `out`
+    where given (a buffer of the right size, reused from step to step)."""
     parts = []
     for p in params:
         grad = p.grad
@@ -226,7 +238,26 @@ def flat_grad(params: Sequence[torch.Tensor]) -> torch.Tensor:
         elif grad.is_sparse:
             grad = grad.to_dense()
         parts.append(grad.reshape(-1))
-    return torch.cat(parts) if parts else torch.zeros(0)
+    if not parts:
+        return torch.zeros(0)
+    return torch.cat(parts, out=out) if out is not None else torch.cat(parts)
+
+
+def add_to_grads_(params: Sequence[torch.Tensor], flat: torch.Tensor, alpha: float) -> bool:
+    """`p.grad += alpha · flat` (flat cut into the parameters' shapes) in place, in one pass, where every grad is a
+    dense tensor of its parameter's shape and of `flat`'s dtype (float32 or float64): the same values as
+    `write_flat_grad(params, flat_grad(params) + alpha · flat)`, without the flat copy and its write-back. Returns
+    False, touching nothing, where a grad is missing, sparse or of another shape or dtype."""
+    grads = [p.grad for p in params]
+    if flat.dtype not in (torch.float32, torch.float64) or sum(p.numel() for p in params) != flat.numel():
+        return False
+    if any(g is None or g.is_sparse or g.shape != p.shape or g.dtype != flat.dtype or g.device != flat.device
+           for g, p in zip(grads, params, strict=True)):
+        return False
+    for grad, part, p in zip(grads, flat.split([p.numel() for p in params]), params, strict=True):
+        if grad is not None:  # (checked above) the kernel of `Tensor.add`, as the flat computation uses
+            grad.add_(part.view_as(p), alpha=alpha)
+    return True
 
 
 def write_flat_grad(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:

@@ -53,16 +53,6 @@ class SIConfig(QuadraticPenaltyConfig):
             raise ValueError(f"xi must be > 0, got {self.xi}")
 
 
-def _buffers_like(tensors: list[torch.Tensor]) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
-    """Empty buffers shaped like `tensors`: views of one flat tensor when they share a dtype and device."""
-    if len({(t.dtype, t.device) for t in tensors}) != 1:
-        return None, [torch.empty_like(t) for t in tensors]
-    flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device)
-    return flat, [
-        view.view_as(t) for view, t in zip(flat.split([t.numel() for t in tensors]), tensors, strict=True)
-    ]
-
-
 def _finite_(tensor: torch.Tensor) -> None:
     """Non-finite gradient entries (a step skipped by fp16 loss scaling) count as 0."""
     torch.nan_to_num_(tensor, nan=0.0, posinf=0.0, neginf=0.0)
@@ -85,7 +75,7 @@ class PathIntegral:
         self.by_rows = [i for i in range(len(names)) if i not in set(self.dense)]
         dense = [params[i] for i in self.dense]
         self.previous = [torch.empty_like(p) for p in dense]
-        self.flat_gradient, self.gradient = _buffers_like(dense) if dense else (None, [])
+        self.gradient = [torch.empty_like(p) for p in dense]
         self.rows: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.pending = False
 
@@ -96,10 +86,11 @@ class PathIntegral:
         if self.dense:
             dense = [params[i] for i in self.dense]
             torch._foreach_copy_(self.previous, [p.detach() for p in dense])
-            grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in dense]
-            torch._foreach_copy_(self.gradient, grads)
-            for buffer in [self.flat_gradient] if self.flat_gradient is not None else self.gradient:
-                _finite_(buffer)
+            for buffer, param in zip(self.gradient, dense, strict=True):
+                if param.grad is None:
+                    buffer.zero_()
+                else:  # the copy and `_finite_` in one pass
+                    torch.nan_to_num(param.grad, nan=0.0, posinf=0.0, neginf=0.0, out=buffer)
         for index in self.by_rows:
             param, grad = params[index].detach(), params[index].grad
             if grad is not None:
@@ -115,8 +106,11 @@ class PathIntegral:
         if not self.pending:
             return
         if self.dense:
-            delta = torch._foreach_sub([params[i].detach() for i in self.dense], self.previous)
-            torch._foreach_addcmul_([self.omega[i] for i in self.dense], self.gradient, delta, value=-1.0)
+            # In place, no temporary the size of the model: previous ← θ(s) − θ(s+1) = −Δθ (IEEE subtraction is
+            # antisymmetric, so this is −Δθ exactly), then ω += g ⊙ (−Δθ), bitwise ω − g ⊙ Δθ. `previous` is
+            # overwritten by the next `record` before it is read again.
+            torch._foreach_sub_(self.previous, [params[i].detach() for i in self.dense])
+            torch._foreach_addcmul_([self.omega[i] for i in self.dense], self.gradient, self.previous)
         for index, (rows, previous, gradient) in self.rows.items():
             row_delta = params[index].detach()[rows] - previous
             self.omega[index].index_add_(0, rows, gradient * row_delta, alpha=-1.0)
