@@ -205,6 +205,32 @@ def test_flat_gradients_round_trip_and_keep_missing_grads_missing():
         write_flat_grad([a, b, c], torch.ones(8))
 
 
+def test_in_place_projections_equal_the_flat_computation_bitwise():
+    """A-GEM's projection added to `p.grad` in place, GEM's g + Gᵀv into g's own buffer and flat gradients written
+    into a reused buffer give exactly the values of the flat computation they replace."""
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in ((300, 7), (11,), (4, 5))]
+    grads = [torch.randn(p.shape, generator=generator) for p in params]
+    for p, grad in zip(params, grads, strict=True):
+        p.grad = grad.clone()
+    g = flat_grad(params)
+    buffer = torch.full_like(g, float("nan"))
+    assert flat_grad(params, out=buffer) is buffer and torch.equal(buffer, g)
+    ref = torch.randn(g.shape, generator=generator)
+    expected, changed = agem_project(g, ref, (-3.0, 7.0))
+    assert changed and projection.add_to_grads_(params, ref, projection.agem_coefficient(-3.0, 7.0))
+    assert torch.equal(flat_grad(params), expected)
+    G, v = torch.randn(3, g.numel(), generator=generator), torch.rand(3, dtype=torch.float64, generator=generator)
+    combined = projection.combine(g, G, v)
+    assert torch.equal(projection.combine(g.clone(), G, v, out=buffer), combined)
+    g_in_place = g.clone()
+    assert torch.equal(projection.combine(g_in_place, G, v, out=g_in_place), combined)
+    params[1].grad = None  # a missing (or sparse) grad: refused, nothing touched, the caller writes the flat vector
+    before = flat_grad(params)
+    assert not projection.add_to_grads_(params, ref, -0.5) and torch.equal(flat_grad(params), before)
+    assert projection.agem_coefficient(1.0, 2.0) is None and projection.agem_coefficient(-1.0, 0.0) is None
+
+
 # ----- runs on the tiny digits stream -----------------------------------------------------------------------------
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     return {name: None if p.grad is None else p.grad.detach().clone() for name, p in model.named_parameters()}

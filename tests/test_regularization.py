@@ -292,6 +292,35 @@ def test_si_row_tracking_matches_dense_tracking():
     assert torch.allclose(results[0], results[1], rtol=1e-6, atol=1e-7)
 
 
+def test_si_path_integral_equals_the_plain_formula_bitwise():
+    """The in-place bookkeeping (no model-sized temporaries) gives exactly ω = −Σ_s g(s) ⊙ (θ(s+1) − θ(s)), non-finite
+    gradient entries counted as 0, through a mid-task close (a checkpoint) and a parameter without a gradient."""
+    generator = torch.Generator().manual_seed(1)
+    params = [nn.Parameter(torch.randn(shape, generator=generator)) for shape in ((5, 3), (7,), (2, 2, 2))]
+    start = [p.detach().clone() for p in params]
+    path = PathIntegral(["a", "b", "c"], params)
+    omega = [torch.zeros_like(p) for p in params]
+    for step in range(5):
+        grads = [torch.randn(p.shape, generator=generator) for p in params]
+        grads[0][0, 0] = float("nan") if step == 1 else grads[0][0, 0]
+        before = [p.detach().clone() for p in params]
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = None if step == 3 and p is params[2] else grad.clone()
+        path.record(params)
+        with torch.no_grad():
+            for p in params:
+                p.add_(0.01 * torch.randn(p.shape, generator=generator))
+        if step == 2:
+            path.close(params)  # what SI's state_dict does mid-task
+        for i, p in enumerate(params):
+            g = torch.zeros_like(p) if p.grad is None else torch.nan_to_num(grads[i], nan=0.0, posinf=0.0, neginf=0.0)
+            omega[i].addcmul_(g, p.detach() - before[i], value=-1.0)
+    result = path.importance(params, xi=0.1)
+    for name, p, w, s0 in zip("abc", params, omega, start, strict=True):
+        delta = p.detach() - s0
+        assert torch.equal(result[name], w / (delta * delta + 0.1)), name
+
+
 # ----- MAS ----------------------------------------------------------------------------------------------------------
 def test_mas_importance_is_the_mean_absolute_per_example_gradient():
     model = tiny_clip(seed=3)
