@@ -9,17 +9,23 @@ so machine load affects all alike; the table gives the min and median step time 
 Each ratio is printed beside its **limit**: finetune's step through the library plus the work the method must add,
 timed as primitives in the same rounds on the same model size and batch: a no-grad forward (a teacher's cost), a
 momentum (EMA) update of every parameter, a quadratic penalty's forward and backward over every parameter but the
-token embedding (whose rows a task does not touch carry no importance), one elementwise pass over every parameter,
-and a forward and backward of a memory batch; a bare PyTorch step (forward, backward, fused AdamW as the Trainer
-uses) shows the library's own overhead. A ratio below its limit by more than the noise (the spread of finetune's
-per-round medians) is flagged as a measurement error, not reported as a result.
+token embedding (whose rows a task does not touch carry no importance), SI's path integral (θ and g saved, Δθ,
+ω −= g ⊙ Δθ: four elementwise passes), one elementwise pass over every parameter, a forward and backward of a memory
+batch and the inner products of two model-sized vectors (GEM/A-GEM). A ratio below its limit by more than the noise
+(the spread of finetune's per-round medians) is flagged as a measurement error, not reported as a result. Every
+time is given as wall time and as process CPU time (all threads), which another program's load raises far less.
+
+Two rows run a fixed batch beside the methods, as many steps after as many warm-up steps as a run's timed steps:
+the **bare PyTorch step** (`bare_step`: the library's finetune work and nothing else, its ratio to finetune is the
+framework overhead) and **open_clip's own training step** on the same architecture and batch
+(`benchmarks/open_clip_peer.py`; the row says why where open_clip_torch cannot be imported).
 
 Two things keep the first runs from being slower than the later ones on CPU (measured: finetune at 5.6 s/step as the
 first run, 2.1-2.4 s/step for the runs after it): glibc's malloc returns large blocks to the kernel and faults them in
 again on every step until its dynamic mmap threshold has grown, so the threshold is fixed at its maximum (32 MiB,
 `mallopt`) before anything is allocated; and one untimed finetune run warms up the process before the first round.
 
-    python benchmarks/method_speed.py [--size vit-b-32] [--batch 8] [--steps 4] [--rounds 2]
+    python benchmarks/method_speed.py [--size vit-b-32] [--batch 8] [--steps 4] [--rounds 2] [--methods si,gem,agem]
 
 Writes benchmarks/results/method_speed.md. Goals (issue 14), ratio to finetune: Mod-X <= 1.35 (<= 1.10 with the
 teacher cache over a multi-epoch task), CTP <= 1.70, EWC/SI/MAS/DNS/TEIR <= 1.10, ER/DER/DER++ <= 1.05, GEM/A-GEM
