@@ -101,6 +101,15 @@ def check_frozen_encoders(model: ContinualDualEncoder, task_name: str) -> None:
                          "heads may train (a method made them trainable)")
 
 
+def release_optimizer_state(trainer: ContinualTrainer) -> None:
+    """Drop a trained task's optimizer state (AdamW's moments: 8 bytes per trained parameter). Each task's Trainer
+    builds its own optimizer, and the loop's reference to the last Trainer would otherwise keep the previous task's
+    moments alive through the whole next task (measured: a ViT-B/32's peak 4.6 GiB instead of 3.1 GiB,
+    benchmarks/memory.py)."""
+    if trainer.optimizer is not None:
+        trainer.optimizer.state.clear()
+
+
 class ContinualLearner:
     """Train one model on a stream of tasks, one after another, and keep the task-by-task results matrix.
 
@@ -361,6 +370,7 @@ class ContinualLearner:
                 for method in self.methods:
                     self._run_hook(context, method, "after_training")
             self.event("on_task_trained", context=context, trainer=trainer)
+            release_optimizer_state(trainer)
             if evaluated_after(index, len(self.stream), self.args.evaluation.every):
                 with phase_timer(clock, "eval"):
                     metrics = self.evaluate(trained=index + 1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import weakref
 
 import pytest
 import torch
@@ -65,6 +66,20 @@ class Counter(TaskCallback):
         self.tasks, self.total = list(state["tasks"]), state["total"].clone()
 
 
+class OptimizerStateProbe(TaskCallback):
+    """A weak reference to one AdamW moment of each trained task; whether each is still alive when a task begins."""
+
+    def __init__(self) -> None:
+        self.moments: list[weakref.ref] = []
+        self.alive_at_task_begin: list[list[bool]] = []
+
+    def on_task_trained(self, args, state, control, **kwargs):  # noqa: ANN001
+        self.moments.append(weakref.ref(next(iter(kwargs["trainer"].optimizer.state.values()))["exp_avg"]))
+
+    def on_task_begin(self, args, state, control, **kwargs):  # noqa: ANN001
+        self.alive_at_task_begin.append([moment() is not None for moment in self.moments])
+
+
 def _learner(tmp_path, callbacks, tasks: int = 2, **options) -> ContinualLearner:
     stream = build_stream("digits", max_train_per_task=16, max_eval_per_task=8)
     stream.tasks = stream.tasks[:tasks]
@@ -77,9 +92,11 @@ def _learner(tmp_path, callbacks, tasks: int = 2, **options) -> ContinualLearner
 
 
 def test_events_in_order_with_their_arguments(tmp_path):
-    recorder = _make_recorder_class()()
-    learner = _learner(tmp_path, [recorder])
+    recorder, optimizer_probe = _make_recorder_class()(), OptimizerStateProbe()
+    learner = _learner(tmp_path, [recorder, optimizer_probe])
     learner.fit()
+    # the previous task's optimizer state is gone before the next task trains (it held 8 B per parameter)
+    assert len(optimizer_probe.moments) == 2 and optimizer_probe.alive_at_task_begin == [[], [False]]
     names = [event for event, _, _ in recorder.events]
     per_task = ["on_task_begin", "on_train_begin", "on_task_trained", "on_task_evaluated", "on_task_end", "on_save",
                 "on_save", "on_checkpoint_saved"]  # the task folder, then the run folder
