@@ -3,10 +3,10 @@ model's parameter count predicts (bytes per parameter, per method).
 
 Each run is the user's command on a random CLIP saved as a checkpoint folder (`model.pretrained`): a ViT-B/32-shaped
 one (`method_speed.clip_config("vit-b-32")`, 151 M parameters) and a wider one (ViT-L/32 widths at ViT-B depth, 279 M),
-trained on the `digits` stream (5 tasks, `training.max_steps` steps each, batch 8 per process, fp32), with each task's
-checkpoint written, as a user's run does:
+trained on two tasks of the bundled CIFAR-10 subset (`STREAM`: classes 0-1, then 2-3; `training.max_steps` steps
+each, batch 8 per process, fp32, images upscaled to 224 px), with each task's checkpoint written, as a user's run does:
 
-    one process   python -m hf_ccl.cli train --config digits model.pretrained=<folder> ...
+    one process   python -m hf_ccl.cli train --config digits stream=<STREAM> model.pretrained=<folder> ...
     DDP           accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no
                   --dynamo_backend no --main_process_port <port> -m hf_ccl.cli train ... (gloo on a CPU)
     FSDP2         the DDP launch with `training.fsdp=full_shard` (`FSDP_OVERRIDES`)
@@ -31,6 +31,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -41,6 +42,9 @@ from pathlib import Path
 from typing import Any
 
 GIB = 1024**3
+#: Two tasks, so that the second one has the teachers; a stream spec the CLI takes as an override.
+STREAM = "{builder: by_class, train: cifar10, class_groups: [[0, 1], [2, 3]]}"
+RUN_TIMEOUT = 1800  # seconds; a run past it (a hung process group) is killed and recorded as failed
 MODES = ("one process", "DDP x2", "FSDP2 x2")
 METHODS = ("finetune", "modx", "ctp", "zscl")
 #: How the FSDP2 column asks for sharding (the launch is the DDP one).
@@ -80,7 +84,8 @@ class PeakTracker:
     """The process's peak RSS and CUDA allocation over the whole run, across hf_ccl's per-task peak resets."""
 
     def __init__(self) -> None:
-        self.rss, self.cuda, self.startup_rss = 0, 0, None
+        self.rss, self.cuda = 0, 0
+        self.startup_rss: int | None = None
 
     def fold(self) -> None:
         self.rss = max(self.rss, vm_hwm())
@@ -206,11 +211,11 @@ def launch_prefix(mode: str) -> list[str]:
 
 
 def train_args(model: Path, method: str, mode: str, steps: int, output_dir: Path) -> list[str]:
-    return ["train", "--config", "digits", f"model.pretrained={model}", "model.config={}", f"methods=[{method}]",
+    return ["train", "--config", "digits", f"stream={STREAM}", f"model.pretrained={model}", "model.config={}", f"methods=[{method}]",
             *METHOD_ARGS.get(method, []), *(FSDP_OVERRIDES if mode.startswith("FSDP") else []),
             f"training.max_steps={steps}", "training.per_device_train_batch_size=8", "training.logging_steps=1",
             "stream_args.max_train_per_task=32", "stream_args.max_eval_per_task=8", "evaluation.batch_size=8",
-            "evaluation.initial=false", "evaluation.every=5", "progress=false", f"output_dir={output_dir}"]
+            "evaluation.initial=false", "progress=false", f"output_dir={output_dir}"]
 
 
 def environment() -> dict[str, str]:
@@ -250,19 +255,26 @@ def execute(run: Run, model: Path, parameters: int, steps: int, baseline: int, w
     command = [*launch_prefix(run.mode), str(Path(__file__).resolve()), "--worker", str(records), "--",
                *train_args(model, run.method, run.mode, steps, output_dir)]
     started = time.perf_counter()
-    result = subprocess.run(command, capture_output=True, text=True, env=environment(), cwd=ROOT)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(),
+                               cwd=ROOT, start_new_session=True)
+    try:
+        _, stderr = process.communicate(timeout=RUN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        _, stderr = process.communicate()
+        stderr += f"\nhf-ccl: error: timed out after {RUN_TIMEOUT} s (killed)"
     run.seconds = round(time.perf_counter() - started, 1)
     ranks = [json.loads(path.read_text()) for path in sorted(records.glob("rank*.json"))]
     run.peak_rss_bytes = [rank["peak_rss_bytes"] for rank in ranks]
     run.startup_rss_bytes = [rank["startup_rss_bytes"] for rank in ranks]
     run.peak_cuda_bytes = [rank["peak_cuda_bytes"] for rank in ranks]
-    if result.returncode == 0 and len(ranks) == processes:
+    if process.returncode == 0 and len(ranks) == processes:
         run.outcome = "ok"
         compute = json.loads((output_dir / "compute.json").read_text())
         run.task_peak_rss_bytes = max(task["peak_rss_bytes"] or 0 for task in compute["tasks"])
     else:
-        kind = "refused" if result.returncode == 2 or any(r["exit_code"] == 2 for r in ranks) else "failed"
-        run.outcome = f"{kind}: {first_error(result.stderr)}"
+        kind = "refused" if process.returncode == 2 or any(r["exit_code"] == 2 for r in ranks) else "failed"
+        run.outcome = f"{kind}: {first_error(stderr)}"
     shutil.rmtree(output_dir, ignore_errors=True)
     return run
 
@@ -319,7 +331,7 @@ def write_tables(report: dict[str, Any], output: Path) -> None:
         + ", ".join(f"{name} {version}" for name, version in report["versions"].items()) + ").",
         "",
         f"Each cell: the peak resident memory (VmHWM) of the run's largest process over the whole run (start-up, "
-        f"{report['steps']} steps of batch 8 per process on each of the 5 `digits` tasks, fp32, every task's "
+        f"{report['steps']} steps of batch 8 per process on each of 2 CIFAR-10 tasks at 224 px, fp32, every task's "
         "checkpoint written); then (peak − runtime baseline) / parameters; then the expected peak, baseline + the "
         "model state the parameter count predicts (see below), and its bytes per parameter. Runtime baseline: "
         f"**{gib(baseline)} GiB** (a process that imports what `hf-ccl train` imports and builds nothing). "
