@@ -44,6 +44,9 @@ from typing import Any
 GIB = 1024**3
 #: Two tasks, so that the second one has the teachers; a stream spec the CLI takes as an override.
 STREAM = "{builder: by_class, train: cifar10, class_groups: [[0, 1], [2, 3]]}"
+#: Bytes per parameter measured beyond the expectation (activations, DDP's gloo buffers), plus 1 GiB, when deciding
+#: whether a run fits in the available memory.
+MARGIN = 10
 RUN_TIMEOUT = 1800  # seconds; a run past it (a hung process group) is killed and recorded as failed
 MODES = ("one process", "DDP x2", "FSDP2 x2")
 METHODS = ("finetune", "modx", "ctp", "zscl")
@@ -243,10 +246,10 @@ def available_bytes() -> int:
 
 def execute(run: Run, model: Path, parameters: int, steps: int, baseline: int, work: Path) -> Run:
     processes = 1 if run.mode == "one process" else 2
-    need = processes * (baseline + expected_bytes(parameters, run.method, run.mode).total + 4 * parameters)
-    if need > available_bytes():
-        run.outcome = (f"skipped: expected {need / GIB:.1f} GiB for {processes} process(es) (state + a checkpoint "
-                       f"copy), {available_bytes() / GIB:.1f} GiB available")
+    need = processes * (baseline + expected_bytes(parameters, run.method, run.mode).total + MARGIN * parameters + GIB)
+    if need > available_bytes():  # the machine is shared: never push another user's work into the OOM killer
+        run.outcome = (f"skipped: needs about {need / GIB:.1f} GiB for {processes} process(es), "
+                       f"{available_bytes() / GIB:.1f} GiB available")
         return run
     records, output_dir = work / "records", work / "run"
     shutil.rmtree(records, ignore_errors=True)
@@ -362,6 +365,16 @@ def write_tables(report: dict[str, Any], output: Path) -> None:
     output.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
 
 
+def merged(old: dict[str, Any], new: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """`old`'s runs and sizes under `new`'s header, both commands named; refused when the step counts differ."""
+    if old["steps"] != args.steps:
+        raise SystemExit(f"--merge: {args.output} was measured with --steps {old['steps']}, not {args.steps}")
+    new["command"] = f"{old['command']}`, then `{new['command']}"
+    new["methods"] = [m for m in METHODS if m in {*old["methods"], *args.methods}]
+    new["sizes"], new["runs"] = dict(old["sizes"]), list(old["runs"])
+    return new
+
+
 def main() -> None:
     if "--worker" in sys.argv:  # one process of a run: `memory.py --worker RECORD_DIR [-- hf-ccl args]`
         index = sys.argv.index("--worker")
@@ -373,13 +386,19 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--steps", type=int, default=2, help="training.max_steps of each task")
     parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "memory.md"))
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the runs of an existing --output .json that this command does not rerun (e.g. "
+                             "--modes 'FSDP2 x2' once FSDP2 lands)")
     args = parser.parse_args()
     if args.steps < 1:
         parser.error("--steps must be >= 1")
+    command = "python benchmarks/memory.py " + " ".join(re.sub(r"^/.*/", "", a) for a in sys.argv[1:])
     report: dict[str, Any] = {
-        "command": "python benchmarks/memory.py " + " ".join(re.sub(r"^/.*/", "", a) for a in sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d"), "machine": machine(), "versions": versions(), "steps": args.steps,
-        "methods": args.methods, "sizes": {}, "runs": []}
+        "command": command, "date": time.strftime("%Y-%m-%d"), "machine": machine(), "versions": versions(),
+        "steps": args.steps, "methods": args.methods, "sizes": {}, "runs": []}
+    previous = Path(args.output).with_suffix(".json")
+    if args.merge and previous.exists():
+        report = merged(json.loads(previous.read_text()), report, args)
     with tempfile.TemporaryDirectory(prefix="hf_ccl_memory_") as temporary:
         work = Path(temporary)
         report["baseline_rss_bytes"] = baseline = measure_baseline(work)
@@ -392,7 +411,8 @@ def main() -> None:
                     run = execute(Run(size, method, mode), folder, parameters, args.steps, baseline, work)
                     print(f"{size} {method} {mode}: {run.outcome} {[gib(v) for v in run.peak_rss_bytes]} GiB "
                           f"({run.seconds} s)", flush=True)
-                    report["runs"].append(asdict(run))
+                    report["runs"] = [r for r in report["runs"]
+                                      if (r["size"], r["method"], r["mode"]) != (size, method, mode)] + [asdict(run)]
                     write_tables(report, Path(args.output))
             shutil.rmtree(folder)
 
