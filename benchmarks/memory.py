@@ -9,7 +9,9 @@ each, batch 8 per process, fp32, images upscaled to 224 px), with each task's ch
     one process   python -m hf_ccl.cli train --config digits stream=<STREAM> model.pretrained=<folder> ...
     DDP           accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no
                   --dynamo_backend no --main_process_port <port> -m hf_ccl.cli train ... (gloo on a CPU)
-    FSDP2         the DDP launch with `training.fsdp=full_shard` (`FSDP_OVERRIDES`)
+    FSDP2         the DDP launch with `training.fsdp=true` (`FSDP_OVERRIDES`); on a machine without a GPU the worker
+                  first flips accelerate's device gate as tests/scripts/fsdp_on_cpu.py does (accelerate keeps its FSDP
+                  plugin only on GPU-like devices; everything else is the GPU user's path)
 
 Every process runs `hf_ccl.cli.main` inside this script's `--worker` mode, which records the process's peak resident
 memory (VmHWM; hf_ccl's per-task accounting resets VmHWM at each task start, so the worker folds the peak into its
@@ -51,7 +53,7 @@ RUN_TIMEOUT = 1800  # seconds; a run past it (a hung process group) is killed an
 MODES = ("one process", "DDP x2", "FSDP2 x2")
 METHODS = ("finetune", "modx", "ctp", "zscl")
 #: How the FSDP2 column asks for sharding (the launch is the DDP one).
-FSDP_OVERRIDES = ["training.fsdp=full_shard"]
+FSDP_OVERRIDES = ["training.fsdp=true"]
 #: Per method: frozen whole-model copies it keeps beside the student during a task after the first (read from
 #: hf_ccl/methods/*.py): Mod-X its teacher (`TeacherMethod`); CTP the previous-task model R and the momentum model M
 #: (`FrozenTeacher` each); ZSCL the initial weights θ_0 as a CPU state dict (method state, all run), its teacher
@@ -112,10 +114,15 @@ class PeakTracker:
         compute.reset_peak_memory = fold_then_reset
 
 
-def worker(record_dir: Path, argv: list[str]) -> int:
+def worker(record_dir: Path, argv: list[str], fsdp_on_cpu: bool = False) -> int:
     """Run `hf-ccl train argv` (or, with no argv, only import what it imports) and write this rank's peaks."""
     tracker, code = PeakTracker(), 1
     try:
+        if fsdp_on_cpu:
+            sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+            from fsdp_on_cpu import keep_fsdp_on_cpu
+
+            keep_fsdp_on_cpu()
         if argv:
             tracker.install()
             from hf_ccl.cli import main
@@ -178,6 +185,7 @@ class Run:
     peak_cuda_bytes: list[int | None] = field(default_factory=list)
     task_peak_rss_bytes: int | None = None  # the main process's largest per-task peak (compute.json)
     seconds: float = 0.0
+    commit: str = ""
 
 
 def save_model(size: str, folder: Path) -> int:
@@ -196,6 +204,20 @@ def save_model(size: str, folder: Path) -> int:
     image_size = int(method_speed.SIZES[size][4])
     CLIPProcessor(image_processor=load_image_processor(image_size), tokenizer=load_tokenizer()).save_pretrained(folder)
     return sum(parameter.numel() for parameter in model.parameters())
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def commit() -> str:
+    """The checkout's commit, with `+changes` when its tracked files differ from it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+
+    return git("rev-parse", "--short", "HEAD") + ("+changes" if git("status", "--porcelain", "-uno") else "")
 
 
 def free_port() -> int:
@@ -255,7 +277,8 @@ def execute(run: Run, model: Path, parameters: int, steps: int, baseline: int, w
     shutil.rmtree(records, ignore_errors=True)
     shutil.rmtree(output_dir, ignore_errors=True)
     records.mkdir(parents=True)
-    command = [*launch_prefix(run.mode), str(Path(__file__).resolve()), "--worker", str(records), "--",
+    gate = ["--fsdp-on-cpu"] if run.mode.startswith("FSDP") and not cuda_available() else []
+    command = [*launch_prefix(run.mode), str(Path(__file__).resolve()), "--worker", str(records), *gate, "--",
                *train_args(model, run.method, run.mode, steps, output_dir)]
     started = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(),
@@ -267,6 +290,7 @@ def execute(run: Run, model: Path, parameters: int, steps: int, baseline: int, w
         _, stderr = process.communicate()
         stderr += f"\nhf-ccl: error: timed out after {RUN_TIMEOUT} s (killed)"
     run.seconds = round(time.perf_counter() - started, 1)
+    run.commit = commit()
     ranks = [json.loads(path.read_text()) for path in sorted(records.glob("rank*.json"))]
     run.peak_rss_bytes = [rank["peak_rss_bytes"] for rank in ranks]
     run.startup_rss_bytes = [rank["startup_rss_bytes"] for rank in ranks]
@@ -353,13 +377,14 @@ def write_tables(report: dict[str, Any], output: Path) -> None:
             lines.append(f"| {method} | " + " | ".join(cells) + " |")
         lines.append("")
     lines += ["## Every run", "", "| size | method | mode | outcome | peak RSS per rank (GiB) | start-up peak (GiB) | "
-              "largest task peak, main process (GiB) | peak CUDA (GiB) | seconds |", "|---|---|---|---|---|---|---|---|---|"]
+              "largest task peak, main process (GiB) | peak CUDA (GiB) | seconds | commit |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for run in map(lambda raw: Run(**raw), report["runs"]):
         cuda = ", ".join(gib(value) for value in run.peak_cuda_bytes if value) or "—"
         lines.append(f"| {run.size} | {run.method} | {run.mode} | {run.outcome.split(':')[0]} | "
                      f"{', '.join(gib(v) for v in run.peak_rss_bytes) or '—'} | "
                      f"{', '.join(gib(v) for v in run.startup_rss_bytes if v) or '—'} | {gib(run.task_peak_rss_bytes)} | "
-                     f"{cuda} | {run.seconds} |")
+                     f"{cuda} | {run.seconds} | {run.commit or '—'} |")
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text("\n".join(lines) + "\n", encoding="utf-8")
     output.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
@@ -379,7 +404,9 @@ def main() -> None:
     if "--worker" in sys.argv:  # one process of a run: `memory.py --worker RECORD_DIR [-- hf-ccl args]`
         index = sys.argv.index("--worker")
         argv = sys.argv[index + 2:]
-        sys.exit(worker(Path(sys.argv[index + 1]), argv[1:] if argv[:1] == ["--"] else argv))
+        gate = argv[:1] == ["--fsdp-on-cpu"]
+        argv = argv[1:] if gate else argv
+        sys.exit(worker(Path(sys.argv[index + 1]), argv[1:] if argv[:1] == ["--"] else argv, gate))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=["vit-b-32", "wide"], choices=["tiny", "small", "vit-b-32", "vit-b-16", "wide"])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)

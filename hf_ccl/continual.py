@@ -101,16 +101,15 @@ def check_frozen_encoders(model: ContinualDualEncoder, task_name: str) -> None:
                          "heads may train (a method made them trainable)")
 
 
-def release_task_trainer(trainer: ContinualTrainer) -> None:
-    """Drop what a trained task's Trainer holds beside the model: its optimizer state (AdamW's moments, 8 bytes per
-    trained parameter) and its DDP wrapper (the reducer's gradient buckets, 4 bytes per parameter). Each task's
-    Trainer builds its own, and the loop's reference to the last Trainer would otherwise keep the previous task's alive
-    through the whole next task (measured on a ViT-B/32: peak RSS 4.6 -> 3.1 GiB in one process, 4.3 -> 3.7 GiB per DDP process,
-    benchmarks/memory.py)."""
+def release_task_trainer(trainer: ContinualTrainer, model: ContinualDualEncoder) -> None:
+    """Drop what a trained task's Trainer holds beside the run's `model`: its optimizer state (AdamW's moments, 8 bytes
+    per trained parameter), its DDP wrapper (the reducer's gradient buckets, 4 bytes per parameter) or, under FSDP2,
+    the sharded student the gathered `model` replaced. Each task's Trainer builds its own, and the loop's reference to
+    the last Trainer would otherwise keep the previous task's alive through the whole next task (measured on a
+    ViT-B/32: peak RSS 4.6 -> 3.1 GiB in one process, 4.3 -> 3.7 GiB per DDP process, benchmarks/memory.py)."""
     if trainer.optimizer is not None:
         trainer.optimizer.state.clear()
-    if trainer.model is not None:
-        trainer.model_wrapped = trainer.model
+    trainer.model = trainer.model_wrapped = model
     trainer.accelerator.free_memory()  # its references to the prepared model, optimizer and data loaders
 
 
@@ -374,7 +373,7 @@ class ContinualLearner:
                 for method in self.methods:
                     self._run_hook(context, method, "after_training")
             self.event("on_task_trained", context=context, trainer=trainer)
-            release_task_trainer(trainer)
+            release_task_trainer(trainer, self.model)
             if evaluated_after(index, len(self.stream), self.args.evaluation.every):
                 with phase_timer(clock, "eval"):
                     metrics = self.evaluate(trained=index + 1)
