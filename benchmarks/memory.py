@@ -59,6 +59,9 @@ FSDP_OVERRIDES = ["training.fsdp=true"]
 #: (`FrozenTeacher` each); ZSCL the initial weights θ_0 as a CPU state dict (method state, all run), its teacher
 #: built from them, and the weight ensemble's running mean (float32, from the task's first step).
 MODEL_COPIES = {"finetune": 0, "modx": 1, "ctp": 2, "zscl": 3}
+#: Of those, the copies FSDP2 shards like the student (docs/scale.md, FSDP2): ZSCL's weight-ensemble mean. The teachers,
+#: CTP's momentum and previous models and ZSCL's θ_0 and teacher stay whole on every process.
+SHARDED_COPIES = {"zscl": 1}
 METHOD_ARGS = {  # small enough for a few steps; CTP's queue and ZSCL's reference set are counted as method state
     "ctp": ["method_args.ctp.queue_size=1024"],
     "zscl": ["method_args.zscl.reference_examples=16", "method_args.zscl.reference_batch_size=8",
@@ -163,12 +166,13 @@ class Expected:
 
 def expected_bytes(parameters: int, method: str, mode: str, processes: int = 2) -> Expected:
     """fp32 student (4 B/param), gradients (4), AdamW's two moments (8); DDP's reducer keeps its own gradient buckets
-    (4: accelerate's default `gradient_as_bucket_view=False`); FSDP2 divides the student, its gradients and the
-    optimizer state by the processes; the methods' whole-model copies (`MODEL_COPIES`, 4 each) are counted whole."""
+    (4: accelerate's default `gradient_as_bucket_view=False`); FSDP2 divides the student, its gradients, the
+    optimizer state and `SHARDED_COPIES` by the processes; the methods' other copies (`MODEL_COPIES`) are 4 each."""
     shards = processes if mode.startswith("FSDP") else 1
+    sharded = SHARDED_COPIES.get(method, 0) if shards > 1 else 0
     return Expected(student=4 * parameters / shards, gradients=4 * parameters / shards,
                     optimizer=8 * parameters / shards, ddp_buckets=4 * parameters if mode.startswith("DDP") else 0,
-                    teachers=4 * parameters * MODEL_COPIES[method])
+                    teachers=4 * parameters * (MODEL_COPIES[method] - sharded + sharded / shards))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -363,8 +367,11 @@ def write_tables(report: dict[str, Any], output: Path) -> None:
         "model state the parameter count predicts (see below), and its bytes per parameter. Runtime baseline: "
         f"**{gib(baseline)} GiB** (a process that imports what `hf-ccl train` imports and builds nothing). "
         "Expected per process: student 4 B/param, gradients 4, AdamW 8, DDP's gradient buckets 4 (DDP only), each "
-        "whole-model copy a method keeps 4 (Mod-X 1, CTP 2, ZSCL 3); FSDP2 divides student, gradients and AdamW by "
-        "the 2 processes. Not in the expectation: activations, the evaluation, and the checkpoint writer's copy.",
+        "whole-model copy a method keeps 4 (Mod-X 1, CTP 2, ZSCL 3); FSDP2 divides student, gradients, AdamW and "
+        "ZSCL's ensemble mean by the 2 processes (the other copies stay whole on every process). Not in the "
+        "expectation: activations, the evaluation, the checkpoint writer's copy, FSDP2's gather of the whole model "
+        "after each task. FSDP2 on this CPU machine: accelerate's device gate flipped as tests/scripts/fsdp_on_cpu.py "
+        "does (a GPU machine keeps the plugin by itself); gloo, not NCCL.",
         "",
     ]
     for size, info in report["sizes"].items():
