@@ -248,7 +248,8 @@ def train_args(model: Path, method: str, mode: str, steps: int, output_dir: Path
 
 
 def environment() -> dict[str, str]:
-    """A user's environment: none of accelerate's variables a user would not set, one thread per process."""
+    """A user's environment: none of accelerate's variables a user would not set, one thread per process (and glibc's
+    `MALLOC_MMAP_THRESHOLD_` when the benchmark's own process has it: `--malloc-mmap-threshold`)."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("ACCELERATE_")}
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
                                                                                       env.get("PYTHONPATH")]))}
@@ -366,6 +367,10 @@ def write_tables(report: dict[str, Any], output: Path) -> None:
         "checkpoint written); then (peak − runtime baseline) / parameters; then the expected peak, baseline + the "
         "model state the parameter count predicts (see below), and its bytes per parameter. Runtime baseline: "
         f"**{gib(baseline)} GiB** (a process that imports what `hf-ccl train` imports and builds nothing). "
+        + (f"glibc's `MALLOC_MMAP_THRESHOLD_={report['malloc_mmap_threshold']}` in every process (freed large blocks "
+           "go back to the system: RSS counts live memory). " if report.get("malloc_mmap_threshold") else
+           "glibc's malloc as it comes (it keeps freed blocks below its dynamic mmap threshold for reuse, which RSS "
+           "counts). ") +
         "Expected per process: student 4 B/param, gradients 4, AdamW 8, DDP's gradient buckets 4 (DDP only), each "
         "whole-model copy a method keeps 4 (Mod-X 1, CTP 2, ZSCL 3); FSDP2 divides student, gradients, AdamW and "
         "ZSCL's ensemble mean by the 2 processes (the other copies stay whole on every process). Not in the "
@@ -420,16 +425,25 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--steps", type=int, default=2, help="training.max_steps of each task")
     parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "memory.md"))
+    parser.add_argument("--malloc-mmap-threshold", type=int, default=None,
+                        help="glibc's MALLOC_MMAP_THRESHOLD_ for every run (e.g. 131072): blocks above it are mapped "
+                             "and returned to the system when freed, so RSS counts live memory rather than what "
+                             "malloc keeps for reuse (FSDP2's gather and reduce buffers, on CPU)")
     parser.add_argument("--merge", action="store_true",
                         help="keep the runs of an existing --output .json that this command does not rerun (e.g. "
                              "--modes 'FSDP2 x2' once FSDP2 lands)")
     args = parser.parse_args()
     if args.steps < 1:
         parser.error("--steps must be >= 1")
+    if args.malloc_mmap_threshold is not None:
+        if args.malloc_mmap_threshold < 0:
+            parser.error("--malloc-mmap-threshold must be >= 0")
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
     command = "python benchmarks/memory.py " + " ".join(re.sub(r"^/.*/", "", a) for a in sys.argv[1:])
     report: dict[str, Any] = {
         "command": command, "date": time.strftime("%Y-%m-%d"), "machine": machine(), "versions": versions(),
-        "steps": args.steps, "methods": args.methods, "sizes": {}, "runs": []}
+        "steps": args.steps, "methods": args.methods, "sizes": {}, "runs": [],
+        "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_")}
     previous = Path(args.output).with_suffix(".json")
     if args.merge and previous.exists():
         report = merged(json.loads(previous.read_text()), report, args)
