@@ -46,9 +46,9 @@ from typing import Any
 GIB = 1024**3
 #: Two tasks, so that the second one has the teachers; a stream spec the CLI takes as an override.
 STREAM = "{builder: by_class, train: cifar10, class_groups: [[0, 1], [2, 3]]}"
-#: Bytes per parameter measured beyond the expectation (activations, DDP's gloo buffers), plus 1 GiB, when deciding
+#: Bytes per parameter measured beyond the expectation (activations; ZSCL: 8), plus 1 GiB, when deciding
 #: whether a run fits in the available memory.
-MARGIN = 10
+MARGIN = 5
 RUN_TIMEOUT = 1800  # seconds; a run past it (a hung process group) is killed and recorded as failed
 MODES = ("one process", "DDP x2", "FSDP2 x2")
 METHODS = ("finetune", "modx", "ctp", "zscl")
