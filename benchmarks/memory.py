@@ -217,11 +217,11 @@ def cuda_available() -> bool:
 
 
 def commit() -> str:
-    """The checkout's commit, with `+changes` when its tracked files differ from it."""
+    """The checkout's commit, with `+changes` when the library's files (hf_ccl/) differ from it."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT).stdout.strip()
 
-    return git("rev-parse", "--short", "HEAD") + ("+changes" if git("status", "--porcelain", "-uno") else "")
+    return git("rev-parse", "--short", "HEAD") + ("+changes" if git("status", "--porcelain", "-uno", "--", "hf_ccl") else "")
 
 
 def free_port() -> int:
