@@ -70,6 +70,8 @@ METHOD_ARGS = {  # small enough for a few steps; CTP's queue and ZSCL's referenc
 #: (vision hidden, layers, heads, patch, image px; text hidden, layers, heads; projection), as `method_speed.SIZES`.
 WIDE = (1024, 12, 16, 32, 224, 768, 12, 12, 768)
 ROOT = Path(__file__).resolve().parents[1]
+SIZE_NOTES = {"vit-b-32": " (ViT-B/32 shape: vision 768 wide, text 512, 12 layers each, 224 px)",
+              "wide": " (ViT-L/32 widths at ViT-B depth: vision 1024, text 768, 12 layers each, 224 px)"}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -370,7 +372,8 @@ def write_tables(report: dict[str, Any], output: Path) -> None:
         + (f"glibc's `MALLOC_MMAP_THRESHOLD_={report['malloc_mmap_threshold']}` in every process (freed large blocks "
            "go back to the system: RSS counts live memory). " if report.get("malloc_mmap_threshold") else
            "glibc's malloc as it comes (it keeps freed blocks below its dynamic mmap threshold for reuse, which RSS "
-           "counts). ") +
+           "counts: on a CPU, FSDP2's per-unit gather and reduce buffers stay in its heap; `--malloc-mmap-threshold "
+           "131072` measures live memory, results/memory_mmap.md). ") +
         "Expected per process: student 4 B/param, gradients 4, AdamW 8, DDP's gradient buckets 4 (DDP only), each "
         "whole-model copy a method keeps 4 (Mod-X 1, CTP 2, ZSCL 3); FSDP2 divides student, gradients, AdamW and "
         "ZSCL's ensemble mean by the 2 processes (the other copies stay whole on every process). Not in the "
@@ -381,7 +384,7 @@ def write_tables(report: dict[str, Any], output: Path) -> None:
     ]
     for size, info in report["sizes"].items():
         parameters = info["parameters"]
-        lines += [f"## {size}: {parameters / 1e6:.1f} M parameters", "",
+        lines += [f"## {size}: {parameters / 1e6:.1f} M parameters{SIZE_NOTES.get(size, '')}", "",
                   "| method | " + " | ".join(MODES) + " |", "|---|" + "---|" * len(MODES)]
         for method in report["methods"]:
             runs = {run["mode"]: Run(**run) for run in report["runs"] if run["size"] == size and run["method"] == method}
