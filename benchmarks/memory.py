@@ -392,7 +392,7 @@ def write_tables(report: dict[str, Any], output: Path) -> None:
             lines.append(f"| {method} | " + " | ".join(cells) + " |")
         lines.append("")
     lines += ["## Every run", "", "| size | method | mode | outcome | peak RSS per rank (GiB) | start-up peak (GiB) | "
-              "largest task peak, main process (GiB) | peak CUDA (GiB) | seconds | commit |",
+              "largest task peak, main process (GiB) | peak CUDA (GiB) | seconds | commit (wt-mem branch, before a rebase) |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for run in map(lambda raw: Run(**raw), report["runs"]):
         cuda = ", ".join(gib(value) for value in run.peak_cuda_bytes if value) or "—"
