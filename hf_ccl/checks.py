@@ -61,8 +61,10 @@ def check_plan(args: ContinualArguments, methods: Sequence[ContinualMethod], fam
 def check_fsdp_methods(args: ContinualArguments, methods: Sequence[ContinualMethod]) -> None:
     """Under FSDP2, the methods that cannot train a sharded student (`ContinualMethod.fsdp_refusal`), refused."""
     request = fsdp_request(args.training)
+    if request is None:
+        return
     for method in methods:
-        if request is not None and method.fsdp_refusal is not None:
+        if method.fsdp_refusal is not None:
             raise ConfigError(f"{request[0]}: method {method.name!r} cannot train under FSDP2: {method.fsdp_refusal}. "
                               "Train it with DDP (accelerate launch --multi_gpu)", "methods")
 

@@ -576,8 +576,6 @@ class ContinualLearner:
         context.log_history = trainer.state.log_history
         self.global_step += trainer.state.global_step
         if trainer.is_fsdp_enabled:  # FSDP2: the plain model, gathered on every process
-            if trainer.optimizer is not None:  # the moments end with the task: freed before the gather's peak
-                trainer.optimizer.state.clear()
             self.model = context.model = trainer.trained_model()
         return trainer
 
