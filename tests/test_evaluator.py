@@ -286,3 +286,38 @@ def test_non_finite_embeddings_are_refused_not_scored(clip, classification_task,
         with pytest.raises(NonFiniteEmbeddingError, match=rf"task '{task.name}', eval split: image_embeds: 20 of 20 "
                                                           r"rows .*\(row 0, 1, 2, 3, 4, \.\.\. \(20 in all\)\)"):
             evaluate_task(diverged, task, image_processor, tokenizer, batch_size=20)
+
+
+class _OracleOfNames(torch.nn.Module):
+    """A scorer that puts the class named `favourite` first for every image and the rest in cosine order."""
+
+    def __init__(self, favourite: str | None) -> None:
+        super().__init__()
+        self.favourite = favourite
+        self.calls: list[list[str]] = []
+
+    def class_scores(self, image_embeds, class_embeds, class_names):
+        self.calls.append(list(class_names))
+        if self.favourite is None:
+            return None
+        scores = torch.nn.functional.normalize(image_embeds.float(), dim=-1) @ class_embeds.float().T
+        scores[:, list(class_names).index(self.favourite)] = 10.0
+        return scores
+
+
+def test_an_evaluation_scorer_ranks_the_classes(clip, classification_task, image_processor, tokenizer) -> None:
+    labels = torch.tensor(classification_task.eval["label"])
+    plain = evaluate_task(clip, classification_task, image_processor, tokenizer, batch_size=6)
+    for index, name in enumerate(CLASS_NAMES):
+        clip.add_module("scorer", _OracleOfNames(name))
+        try:
+            metrics = evaluate_task(clip, classification_task, image_processor, tokenizer, batch_size=6)
+            assert clip.scorer.calls == [CLASS_NAMES]
+        finally:
+            del clip.scorer
+        assert metrics["accuracy"] == pytest.approx(100.0 * (labels == index).float().mean().item())
+    clip.add_module("scorer", _OracleOfNames(None))  # None: cosine similarity, as without a scorer
+    try:
+        assert evaluate_task(clip, classification_task, image_processor, tokenizer, batch_size=6) == plain
+    finally:
+        del clip.scorer

@@ -31,20 +31,24 @@ from .retrieval import (
     text_to_image_rank_counts,
     unique_texts,
 )
-from .zeroshot import zero_shot_accuracy, zero_shot_classifier
+from .scoring import EvaluationScorer, evaluation_scorer
+from .zeroshot import accuracy_from_scores, zero_shot_accuracy, zero_shot_classifier
 
 __all__ = [
     "EmbeddingCache",
+    "EvaluationScorer",
     "NonFiniteEmbeddingError",
     "NotEvaluatedWarning",
     "RankCounts",
     "ResultsMatrix",
     "ResultsRow",
+    "accuracy_from_scores",
     "average_incremental",
     "backward_transfer",
     "captions_to_text_to_image",
     "encode_images",
     "encode_texts",
+    "evaluation_scorer",
     "evaluate_stream",
     "evaluate_task",
     "final_average",

@@ -19,7 +19,8 @@ from .checks import NonFiniteEmbeddingError
 from .encode import encode_images, encode_texts
 from .retrieval import captions_to_text_to_image, recall_at_k, unique_texts
 from .routing import EvaluationRouter, evaluation_router, route_groups, routing_metrics
-from .zeroshot import DEFAULT_TEMPLATES, zero_shot_accuracy, zero_shot_classifier
+from .scoring import evaluation_scorer
+from .zeroshot import DEFAULT_TEMPLATES, accuracy_from_scores, zero_shot_accuracy, zero_shot_classifier
 
 
 def iter_column(dataset: Dataset, column: str, batch_size: int = 256) -> Iterator[Any]:
@@ -80,10 +81,23 @@ def evaluate_classification(model: torch.nn.Module, task: Task, setup: EvalSetup
         position = {name: index for index, name in enumerate(seen)}
         seen_labels = torch.tensor([position[class_names[label]] for label in labels.tolist()], dtype=torch.long)
 
+    scorer = evaluation_scorer(model)
+
+    def accuracy(image_embeds: torch.Tensor, rows_labels: torch.Tensor, names: list[str], kind: str
+                 ) -> dict[str, float]:
+        class_embeds = classifier(names, kind)
+        scores = None if scorer is None else scorer.class_scores(image_embeds, class_embeds, names)
+        if scores is None:
+            return zero_shot_accuracy(image_embeds, rows_labels, class_embeds)
+        if tuple(scores.shape) != (image_embeds.shape[0], len(names)):
+            raise RuntimeError(f"{type(scorer).__name__}.class_scores returned shape {tuple(scores.shape)}, "
+                               f"expected {(image_embeds.shape[0], len(names))}")
+        return accuracy_from_scores(scores, rows_labels)
+
     def score(image_embeds: torch.Tensor, rows: torch.Tensor | slice) -> dict[str, float]:
-        metrics = zero_shot_accuracy(image_embeds, labels[rows], classifier(class_names, "classes"))
+        metrics = accuracy(image_embeds, labels[rows], class_names, "classes")
         if seen_labels is not None:
-            seen_metrics = zero_shot_accuracy(image_embeds, seen_labels[rows], classifier(seen, "seen-classes"))
+            seen_metrics = accuracy(image_embeds, seen_labels[rows], seen, "seen-classes")
             metrics.update({f"seen_{name}": value for name, value in seen_metrics.items()})
         return metrics
 

@@ -81,19 +81,28 @@ def zero_shot_accuracy(
     check_finite_embeddings(classes, "class_embeds")
     images = F.normalize(images, dim=-1)
     classes = F.normalize(classes, dim=-1).to(images.device)
-    labels = torch.as_tensor(labels, dtype=torch.long, device=images.device).reshape(-1)
-    if labels.numel() != images.shape[0]:
-        raise ValueError(f"{labels.numel()} labels for {images.shape[0]} images")
-    if images.shape[0] == 0:
+    return accuracy_from_scores(similarity_scores(images, classes), labels, ks)
+
+
+def accuracy_from_scores(
+    scores: torch.Tensor, labels: torch.Tensor | Sequence[int], ks: Sequence[int] = (1, 5)
+) -> dict[str, float]:
+    """Top-K accuracy in percent of class scores [N, C] (higher is better): `accuracy` and `top{K}_accuracy` for each
+    1 < K < C, ties counted in expectation as in `zero_shot_accuracy`. Non-finite scores are refused."""
+    scores = scores.float()
+    check_finite_embeddings(scores, "class scores")
+    labels = torch.as_tensor(labels, dtype=torch.long, device=scores.device).reshape(-1)
+    if labels.numel() != scores.shape[0]:
+        raise ValueError(f"{labels.numel()} labels for {scores.shape[0]} images")
+    if scores.shape[0] == 0:
         raise ValueError("zero_shot_accuracy needs at least one image")
-    n_classes = classes.shape[0]
+    n_classes = scores.shape[1]
     if int(labels.min()) < 0 or int(labels.max()) >= n_classes:
         raise ValueError(
             f"labels must lie in [0, {n_classes}); got min {int(labels.min())}, max {int(labels.max())}"
         )
-    logits = similarity_scores(images, classes)
-    true_score = logits.gather(1, labels.unsqueeze(1))
-    counts = single_positive_rank_counts(logits, true_score)
+    true_score = scores.gather(1, labels.unsqueeze(1))
+    counts = single_positive_rank_counts(scores, true_score)
     metrics = {"accuracy": 100.0 * hit_rate(counts, 1).mean().item()}
     for k in ks:
         if 1 < k < n_classes:
