@@ -415,7 +415,7 @@ class ContinualDualEncoder(_PreTrainedModel):
     def plain_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights of the plain model this one stands for: no `text_prompt`, the learner heads folded in."""
         state = {name: tensor for name, tensor in self.state_dict().items()
-                 if not name.startswith(("text_prompt.", "learner_heads.", "moe_adapters."))}
+                 if not name.startswith(("text_prompt.", "learner_heads.", "moe_adapters.", "diki."))}
         if self.learner_heads is not None:
             names = self.projection_names["image"], self.projection_names["text"]
             if None in names:

@@ -96,7 +96,7 @@ import itertools
 import json
 import logging
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
@@ -1068,10 +1068,15 @@ class MoEAdapters(ContinualMethod[MoEAdaptersConfig]):
 # DDAS training
 # ----------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def task_image_embeddings(context: TaskContext, max_examples: int | None = None) -> torch.Tensor:
+def task_image_embeddings(
+    context: TaskContext, max_examples: int | None = None,
+    frozen: Callable[[nn.Module], contextlib.AbstractContextManager[None]] | None = None,
+) -> torch.Tensor:
     """Normalised image embeddings of the frozen model (route -1) of the task's own training images (its train
     split, without rows other methods add, e.g. replay): all of them, or a seeded subset of `max_examples` (the
-    first `max_examples` of a stream). Float32 on the model's device; every process computes all of them."""
+    first `max_examples` of a stream). Float32 on the model's device; every process computes all of them.
+    `frozen(model)`: the block in which the model is the frozen one (default: `use_routes(model, -1)`; DIKI passes
+    its own)."""
     from ..data.streaming import is_streaming
 
     if context.collator is None or context.task is None:
@@ -1095,7 +1100,7 @@ def task_image_embeddings(context: TaskContext, max_examples: int | None = None)
     was_training = model.training
     model.eval()
     try:
-        with use_routes(model, -1):
+        with use_routes(model, -1) if frozen is None else frozen(model):
             for batch in batches:
                 inputs = model.image_inputs(collator(batch), device=device)
                 parts.append(model.embed_images(**inputs).float())
