@@ -320,3 +320,36 @@ def test_the_cards_loader_gives_the_scored_model_and_the_evaluator_routes_by_han
         assert metrics["accuracy"] == pytest.approx(expected, abs=1e-6), task.name
     plain = CLIPModel.from_pretrained(REPO, revision=revision)  # plain transformers: the base model
     assert not any(name.startswith("diki") for name in plain.state_dict())
+
+
+@pytest.mark.slow  # 11 s; the every-method matrix resumes DIKI exactly after a task by default
+def test_resuming_mid_task_restores_the_prompts_and_gaussians_exactly(tmp_path, clip_tokenizer):
+    """A task resumed from a Trainer checkpoint (whose model.safetensors holds no prompt) ends with exactly the prompts
+    and Gaussians of an uninterrupted run."""
+    import shutil
+
+    from hf_ccl.continual import ContinualArguments, ContinualLearner
+    from hf_ccl.data import build_stream, load_image_processor
+    from hf_ccl.data.task import TaskStream
+
+    stream = build_stream("digits", max_train_per_task=32, max_eval_per_task=8)
+
+    def fit(resume):
+        method = _method()
+        args = ContinualArguments(
+            output_dir=str(tmp_path), progress=False, evaluation={"initial": False, "batch_size": 64},
+            resume_from_checkpoint=resume, keep_trainer_checkpoints=True,
+            training={"max_steps": 4, "per_device_train_batch_size": 8, "learning_rate": 1.0, "save_strategy": "steps",
+                      "save_steps": 2})
+        ContinualLearner(tiny_model(), TaskStream(stream.name, stream.tasks[:2]), [method], load_image_processor(32),
+                         clip_tokenizer, args).fit()
+        return method.state_dict()
+
+    uninterrupted = fit(None)
+    shutil.rmtree(tmp_path / "task-1")  # stopped in task 1, after its Trainer checkpoint at step 2
+    shutil.rmtree(tmp_path / "trainer" / "task-1" / "checkpoint-4")
+    resumed = fit(True)
+    assert sorted(resumed["bank"]) == sorted(uninterrupted["bank"]) and resumed["num_prompts"] == 2
+    for key, value in uninterrupted["bank"].items():
+        torch.testing.assert_close(resumed["bank"][key], value, rtol=0, atol=0, msg=key)
+    assert uninterrupted["bank"]["layers.vision_0.prompts.1"][1].abs().sum() > 0  # task 1's prompt trained
