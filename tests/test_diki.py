@@ -272,7 +272,7 @@ def test_the_run_trains_only_prompts_and_saves_the_base_model(pushed_run):
         assert sum(v for k, v in metrics.items() if k.startswith("route_")) == pytest.approx(100.0)
 
 
-@pytest.mark.parametrize("revision", ["task-1", "task-4"])
+@pytest.mark.parametrize("revision", [pytest.param("task-1", marks=pytest.mark.slow), "task-4"])
 def test_the_cards_loader_gives_the_scored_model_and_the_evaluator_routes_by_hand(pushed_run, revision):
     """From the Hub revision, `load_diki_model` (the card's "How to use") scores exactly `results.json`; the evaluator's
     accuracy is the route-weighted mean of per-route accuracies computed here with explicit routes and weights."""

@@ -1,4 +1,5 @@
-"""Evaluating a model whose forward depends on a per-image route (MoE-Adapters' auto-selector, DDAS).
+"""Evaluating a model whose forward depends on a per-image route (MoE-Adapters' auto-selector, DDAS; DIKI's most
+likely task, `hf_ccl.methods.diki`, whose per-image calibration weight its image tower computes inside the route).
 
 A module of the model that implements `EvaluationRouter` (`hf_ccl.methods.moe_adapters.MoEAdapterBank`) turns the
 frozen model's embedding of every eval image into a route (a task's router, or -1: the frozen model). The evaluator
