@@ -35,7 +35,9 @@ the task's training images give a Gaussian N(mu_t, Sigma_t): the mean and the un
 The code's s = 512 is ViT-B/16's embedding width (the log-density of a P-dimensional Gaussian grows with P):
 `calibration_scale: null` (the default) uses the model's own embedding width P, a number sets s (512: the code's
 constant). `calibration_shift` is c. `calibration: false` injects with lambda = 1 (DIKI without its calibration).
-An image far from every learned task gets lambda near 0: the pre-trained model's output. The class texts an image is
+An image far from every learned task gets lambda near 0: the pre-trained model's output. A task with fewer training
+images than embedding dimensions has a singular covariance, which the tiny ridge leaves nearly so: images off its
+span get very low likelihoods, hence lambda near 0 (the code's behaviour; `covariance_ridge` softens it). The class texts an image is
 compared with are encoded with its route's prompt and the mean lambda of the images on that route (the code's
 `text_batch_weight`, l. 154: the batch mean).
 
