@@ -22,7 +22,7 @@ from .validation import ConfigError, check_choice, check_dataclass, check_no_tok
 
 WARMUP_RULES = ("every_task", "first_task")
 CLASSIFICATION_LOSSES = ("contrastive", "cross_entropy")
-CLASS_SCOPES = ("task", "seen")
+CLASS_SCOPES = ("task", "seen", "all")
 
 
 # ----- sections ------------------------------------------------------------------------------------------------
@@ -242,7 +242,9 @@ class ContinualArguments:
         default="task",
         metadata={"help": "The classes a classification task is scored among: 'task': its own (task-aware, MTIL); "
                   "'seen': every class of the tasks trained so far (task-agnostic, the class-incremental protocol; "
-                  "the headline metric is then seen_accuracy, and the cross_entropy loss scores among them too)."},
+                  "the headline metric is then seen_accuracy, and the cross_entropy loss scores among them too); "
+                  "'all': every class of every task of the stream, trained or not (X-TAIL, RAIL / LADA: no domain "
+                  "identity; the headline metric is all_accuracy, the cross_entropy loss scores as in 'seen')."},
     )
     save_checkpoints: bool = field(default=True, metadata={"help": "Write output_dir/task-<k>/ after every task."})
     progress: bool = field(default=True, metadata={"help": "Show progress bars for the stream and each task."})

@@ -12,7 +12,9 @@ class's training-template prompts (with one template, as in ZSCL, the prompt's o
 
 Which classes a row is scored among (`class_scope`):
 - `"task"` (task-aware, MTIL): the classes of the row's own task;
-- `"seen"` (task-agnostic, the class-incremental protocol): the classes of every task seen so far.
+- `"seen"` (task-agnostic, the class-incremental protocol): the classes of every task seen so far;
+- `"all"` (X-TAIL, Xu et al. 2024, RAIL): evaluation scores among the classes of every task of the stream, trained
+  or not (`scope_class_names`); the loss scores as in `"seen"` (a learner has no rows of domains to come).
 
 A class is identified across tasks by its prompt texts (`class_prompt_texts`): its name put through its task's
 training templates, the very texts whose embeddings make its class embedding. Two tasks that train the same prompt
@@ -70,6 +72,15 @@ def seen_class_names(seen: Sequence[Task], task: Task) -> list[str]:
     return list(names)
 
 
+def scope_class_names(tasks: Sequence[Task], trained: int, task: Task, scope: str) -> list[str] | None:
+    """The class names `task` is also scored among after training the first `trained` of the stream's `tasks`: None
+    in the `"task"` scope (and for a task without classes); `"seen"`: `seen_class_names` of the trained tasks;
+    `"all"` (X-TAIL, RAIL Sec. 3): those of every task of the stream, trained or not, each name once."""
+    if scope == "task" or not task.kind_spec.has_classes:
+        return None
+    return seen_class_names(tasks if scope == "all" else tasks[:trained], task)
+
+
 #: A lookup entry whose prompt belongs to classes scored differently (`ClassPrompts.labels` cannot pick one).
 _AMBIGUOUS = -1
 
@@ -104,6 +115,7 @@ class ClassPrompts:
         among different classes (a row's own task could not be told)."""
         if scope not in CLASS_SCOPES:
             raise ValueError(f"class_scope must be one of {list(CLASS_SCOPES)}, got {scope!r}")
+        scope = "seen" if scope == "all" else scope  # the loss of the X-TAIL scope: every class trained so far
         tasks = [task for task in tasks if task.kind_spec.has_classes]
         if not tasks:
             raise ValueError("cross-entropy class prompts need at least one classification task")

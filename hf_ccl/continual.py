@@ -443,10 +443,11 @@ class ContinualLearner:
 
     def _class_prompts(self, context: TaskContext) -> ClassPrompts | None:
         """The candidate class prompts of a classification task trained with the cross-entropy loss: its own
-        classes, and those of the tasks before it in the `"seen"` scope or when a method trains on their rows."""
+        classes, and those of the tasks before it in the `"seen"` and `"all"` scopes or when a method trains on their
+        rows."""
         if self.args.classification_loss != "cross_entropy" or not context.task.kind_spec.has_classes:
             return None
-        past = self.args.class_scope == "seen" or any(method.trains_on_past_tasks for method in self.methods)
+        past = self.args.class_scope in ("seen", "all") or any(method.trains_on_past_tasks for method in self.methods)
         tasks = context.seen_tasks if past else [context.task]
         return ClassPrompts.build(tasks, self.tokenizer, scope=self.args.class_scope, max_length=self.max_length,
                                   padding=self.model.text_padding)

@@ -26,6 +26,7 @@ from .sources import DATA_FILE_READERS
 from .streaming import column_names, is_empty, is_streaming, peek, to_streaming
 from .task import CANONICAL_COLUMNS, NO_TASK, Task, TaskKind, TaskStream
 from .templates import benchmark_templates, format_template
+from .xtail import xtail_stream
 
 __all__ = [
     "CANONICAL_COLUMNS",
@@ -63,6 +64,7 @@ __all__ = [
     "log_dropped",
     "register_task_kind",
     "mtil_stream",
+    "xtail_stream",
     "peek",
     "resolve_class_names",
     "stable_hash",

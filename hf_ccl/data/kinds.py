@@ -110,6 +110,7 @@ class ClassificationKind(ImageTextKind):
     description = "zero-shot classification"
     headline_metric = "accuracy"
     seen_headline_metric = "seen_accuracy"
+    all_headline_metric = "all_accuracy"
     has_classes = True
 
     def chance_level(self, examples: int | None, classes: int | None) -> float | None:

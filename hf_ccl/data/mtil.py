@@ -289,6 +289,24 @@ def mtil_stream(
     names = mtil_dataset_list(order, datasets)
     check_builder_options(dict(max_train_per_task=max_train_per_task, max_eval_per_task=max_eval_per_task,
                                validate_images=validate_images))
+    entries = mtil_task_sources(names, revision=revision, sources=sources, holdout_fraction=holdout_fraction,
+                                cache_dir=cache_dir)
+    default_name = f"mtil-{order}" if datasets is None else "mtil"
+    return stream_from_datasets(entries, name=name or default_name, max_train_per_task=max_train_per_task,
+                                max_eval_per_task=max_eval_per_task, seed=seed, validate_images=validate_images)
+
+
+def mtil_task_sources(
+    names: Sequence[str],
+    *,
+    revision: str | Mapping[str, str] | None = None,
+    sources: Mapping[str, str | os.PathLike[str]] | None = None,
+    holdout_fraction: float = 0.2,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> list[TaskSource]:
+    """One `TaskSource` per MTIL dataset of `names` (ZSCL's names, checked), read as `mtil_stream` reads them (see
+    its options): trained on the repo's first template, scored with all of them. Options are checked before any
+    download."""
     if isinstance(holdout_fraction, bool) or not isinstance(holdout_fraction, (int, float)) or not (
             0 < holdout_fraction < 1):
         raise ValueError(f"holdout_fraction must be a number in (0, 1), got {holdout_fraction!r}")
@@ -314,6 +332,4 @@ def mtil_stream(
                 source=dataset.lower(),
             )
         )
-    default_name = f"mtil-{order}" if datasets is None else "mtil"
-    return stream_from_datasets(entries, name=name or default_name, max_train_per_task=max_train_per_task,
-                                max_eval_per_task=max_eval_per_task, seed=seed, validate_images=validate_images)
+    return entries

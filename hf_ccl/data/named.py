@@ -30,12 +30,14 @@ from .builders import (
     stream_from_datasets,
     stream_random_split,
 )
+from .cil import cil_cifar100  # noqa: F401  (registers cil-cifar100, cil-imagenet-r, cil-caltech101-bundled)
 from .languages import FLICKR8K_LANGUAGES, flickr8k_languages
 from .mtil import mtil_stream
 from .pair_streams import flickr_fashion_pairs_stream  # noqa: F401  (registers flickr-fashion-pairs)
 from .stream_registry import NAMED_STREAMS, bundled, register
 from .task import TaskStream
 from .templates import benchmark_templates
+from .xtail import xtail_stream  # noqa: F401  (registers xtail, xtail-bundled)
 
 DIGIT_CLASS_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 DIGIT_TRAIN_TEMPLATES = ("a photo of the digit {label}.",)

@@ -188,8 +188,11 @@ class EvalSetup:
     chunk_size: int = 1024
     #: An `hf_ccl.evaluation.cache.CacheSession` of this model, or None.
     cache: Any = None
-    #: The classes a task with classes is also scored among (the `"seen"` scope, `seen_accuracy`), or None.
+    #: The classes a task with classes is also scored among (the `"seen"` scope, `seen_accuracy`; the `"all"` scope,
+    #: `all_accuracy`), or None.
     seen_class_names: Sequence[str] | None = None
+    #: The scope `seen_class_names` come from, the prefix of the metrics scored among them (`seen_accuracy`).
+    class_scope: str = "seen"
 
 
 Collator = Callable[[Sequence[Mapping[str, Any]]], dict[str, Any]]
@@ -207,6 +210,8 @@ class TaskKind:
     #: The headline in the `"seen"` class scope (scored among the classes of every task trained so far), for kinds
     #: with classes; None: the scope does not change it.
     seen_headline_metric: ClassVar[str | None] = None
+    #: The headline in the `"all"` class scope (scored among the classes of every task of the stream: X-TAIL).
+    all_headline_metric: ClassVar[str | None] = None
     #: What a task of this kind trains (`ModelPart`).
     trains: ClassVar[ModelPart] = ModelPart.TOWERS
     #: Tasks have `class_names` and labelled rows: class prompts (the cross-entropy loss), the `"seen"` class scope,
@@ -222,7 +227,8 @@ class TaskKind:
 
     def headline(self, class_scope: str = "task") -> str:
         """The headline metric of a task of this kind under `class_scope` (`ContinualArguments.class_scope`)."""
-        return self.seen_headline_metric if class_scope == "seen" and self.seen_headline_metric else self.headline_metric
+        scoped = {"seen": self.seen_headline_metric, "all": self.all_headline_metric}.get(class_scope)
+        return scoped or self.headline_metric
 
     def required_columns(self, task: Task) -> tuple[str, ...]:
         """The columns both splits of `task` must have."""

@@ -97,8 +97,8 @@ def evaluate_classification(model: torch.nn.Module, task: Task, setup: EvalSetup
     def score(image_embeds: torch.Tensor, rows: torch.Tensor | slice) -> dict[str, float]:
         metrics = accuracy(image_embeds, labels[rows], class_names, "classes")
         if seen_labels is not None:
-            seen_metrics = accuracy(image_embeds, seen_labels[rows], seen, "seen-classes")
-            metrics.update({f"seen_{name}": value for name, value in seen_metrics.items()})
+            seen_metrics = accuracy(image_embeds, seen_labels[rows], seen, f"{setup.class_scope}-classes")
+            metrics.update({f"{setup.class_scope}_{name}": value for name, value in seen_metrics.items()})
         return metrics
 
     router = evaluation_router(model)
@@ -142,6 +142,7 @@ def evaluate_task(
     chunk_size: int = 1024,
     cache: CacheSession | None = None,
     seen_class_names: Sequence[str] | None = None,
+    class_scope: str = "seen",
 ) -> dict[str, float]:
     """All metrics of `model` on `task.eval`, always including `task.headline_metric`.
 
@@ -150,7 +151,8 @@ def evaluate_task(
     Classification tasks: zero-shot accuracy among `task.class_names` with the `task.eval_templates` ensemble
     (default `["a photo of a {label}."]`): `accuracy`, `top5_accuracy` when there are more than 5 classes; with
     `seen_class_names` (the task-agnostic protocol, `hf_ccl.class_prompts.seen_class_names`) also `seen_accuracy`
-    (and `seen_top5_accuracy`), among those classes with the task's own templates.
+    (and `seen_top5_accuracy`), among those classes with the task's own templates; `class_scope="all"` names those
+    metrics `all_accuracy` (`all_top5_accuracy`): the X-TAIL protocol, candidates from every task of the stream.
     Pair tasks (encoded by `hf_ccl.pair_features`): Recall@K between their two modalities' learner outputs, and
     the drift of their alignment matrix once learned (`hf_ccl.evaluation.pairs`). Each task's kind scores it
     (`Task.kind_spec.evaluate`, `hf_ccl.data.kinds`), so a registered kind of one's own is scored its own way.
@@ -159,7 +161,8 @@ def evaluate_task(
     Non-finite embeddings (a diverged model) raise `NonFiniteEmbeddingError` naming the task, never a score.
     """
     setup = EvalSetup(image_processor, tokenizer, batch_size=batch_size, max_length=max_length,
-                      chunk_size=chunk_size, cache=cache, seen_class_names=seen_class_names)
+                      chunk_size=chunk_size, cache=cache, seen_class_names=seen_class_names,
+                      class_scope=class_scope)
     try:
         metrics = task.kind_spec.evaluate(model, task, setup)
     except NonFiniteEmbeddingError as error:

@@ -35,9 +35,12 @@ DERIVED_DESCRIPTIONS = {
     "tic_fwt": "TiC-CLIP forward: flat mean of the strict upper triangle",
     "tic_rel_bwt": "TiC-CLIP relative backward: lower triangle minus each row's diagonal",
     "tic_rel_fwt": "TiC-CLIP relative forward: upper triangle minus each row's diagonal",
-    "mtil_transfer": "MTIL Transfer (ZSCL): per task j >= 1, the mean of its scores before it is trained, averaged",
-    "mtil_average": "MTIL Avg. (ZSCL): per task, the mean of its scores over all steps, averaged",
-    "mtil_last": "MTIL Last (ZSCL): the mean over tasks after the last step (= final_average)",
+    "mtil_transfer": "MTIL Transfer (ZSCL; X-TAIL's under class_scope all): per task j >= 1, the mean of its scores "
+                     "before it is trained, averaged",
+    "mtil_average": "MTIL Avg. (ZSCL; X-TAIL's under class_scope all): per task, the mean of its scores over all "
+                    "steps, averaged",
+    "mtil_last": "MTIL Last (ZSCL; X-TAIL's under class_scope all): the mean over tasks after the last step "
+                 "(= final_average)",
     "class_incremental_average": "class-incremental Avg (iCaRL): mean over steps of the accuracy on every eval "
                                  "example seen so far, among the classes seen so far",
     "class_incremental_last": "class-incremental Last: that accuracy after the last step",

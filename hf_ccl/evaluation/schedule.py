@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..class_prompts import CLASS_SCOPES, seen_class_names
+from ..class_prompts import CLASS_SCOPES, scope_class_names
 from ..data.builders import subsample
 from ..data.task import Task
 from .cache import EmbeddingCache
@@ -68,7 +68,8 @@ class StreamEvaluator:
                  batch_size: int, max_length: int | None, trained: int = 0) -> dict[str, dict[str, float]]:
         """Metrics of `model` on every task (stream order), after training the first `trained` of them; in the
         `"seen"` class scope classification tasks are also scored among the classes of those tasks
-        (`seen_accuracy`)."""
+        (`seen_accuracy`), in the `"all"` scope among the classes of every task of the stream (`all_accuracy`,
+        X-TAIL)."""
         tasks = list(tasks)
         session = None if self.cache is None else self.cache.session(
             model, tokenizer, image_processor, batch_size=batch_size, max_length=max_length)
@@ -76,8 +77,8 @@ class StreamEvaluator:
             task.name: evaluate_task(
                 model, self.task(task), image_processor, tokenizer, batch_size=batch_size, max_length=max_length,
                 cache=session,
-                seen_class_names=(seen_class_names(tasks[:trained], task)
-                                  if self.class_scope == "seen" and task.kind_spec.has_classes else None))
+                seen_class_names=scope_class_names(tasks, trained, task, self.class_scope),
+                class_scope=self.class_scope)
             for task in tasks
         }
 
