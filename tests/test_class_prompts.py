@@ -165,7 +165,7 @@ def test_options_refused_where_they_cannot_apply(tmp_path):
     with pytest.raises(ConfigError, match="classification_loss"):
         ContinualArguments(output_dir=str(tmp_path), classification_loss="ce")
     with pytest.raises(ConfigError, match="class_scope"):
-        ContinualArguments(output_dir=str(tmp_path), class_scope="all")
+        ContinualArguments(output_dir=str(tmp_path), class_scope="every")
     stream = build_stream("flickr8k-random5", max_train_per_task=8, max_eval_per_task=8)
     args = ContinualArguments(output_dir=str(tmp_path), classification_loss="cross_entropy")
     model = tiny_model()

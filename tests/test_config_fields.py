@@ -84,6 +84,22 @@ RECIPE_ARGS: dict[str, dict[str, Any]] = {
         "output_dir": "outputs/pacs-domains-finetune", "first_task_epochs": 10,
         "training": {"num_train_epochs": 5, "per_device_train_batch_size": 128, "learning_rate": 0.0005},
     },
+    "cil-cifar100-b0inc10": {
+        "output_dir": "outputs/finetune-cil-cifar100-b0inc10", "classification_loss": "cross_entropy", "class_scope": "seen",
+        "training": {"num_train_epochs": 1, "per_device_train_batch_size": 128, "learning_rate": 1e-05},
+    },
+    "cil-cifar100-b50inc10": {
+        "output_dir": "outputs/finetune-cil-cifar100-b50inc10", "classification_loss": "cross_entropy", "class_scope": "seen",
+        "training": {"num_train_epochs": 1, "per_device_train_batch_size": 128, "learning_rate": 1e-05},
+    },
+    "cil-imagenet-r": {
+        "output_dir": "outputs/finetune-cil-imagenet-r", "classification_loss": "cross_entropy", "class_scope": "seen",
+        "training": {"num_train_epochs": 1, "per_device_train_batch_size": 128, "learning_rate": 1e-05},
+    },
+    "cil-caltech101-bundled": {
+        "output_dir": "outputs/finetune-cil-caltech101-bundled", "classification_loss": "cross_entropy", "class_scope": "seen",
+        "training": {"num_train_epochs": 3, "per_device_train_batch_size": 64, "learning_rate": 0.0005},
+    },
     "er-mtil-bundled": {
         "output_dir": "outputs/er-mtil-bundled", "classification_loss": "cross_entropy",
         "training": {"num_train_epochs": 3, "per_device_train_batch_size": 64, "learning_rate": 0.0005},
@@ -108,6 +124,15 @@ RECIPE_ARGS: dict[str, dict[str, Any]] = {
     "wise_ft-mtil-bundled": {
         "output_dir": "outputs/wise_ft-mtil-bundled", "classification_loss": "cross_entropy",
         "training": {"num_train_epochs": 3, "per_device_train_batch_size": 64, "learning_rate": 0.0005},
+    },
+    "xtail": {
+        "output_dir": "outputs/finetune-xtail", "classification_loss": "cross_entropy", "class_scope": "all",
+        "training": {"num_train_epochs": 10, "per_device_train_batch_size": 32, "learning_rate": 1e-05},
+    },
+    "xtail-bundled": {
+        "output_dir": "outputs/finetune-xtail-bundled", "classification_loss": "cross_entropy",
+        "class_scope": "all",
+        "training": {"num_train_epochs": 5, "per_device_train_batch_size": 64, "learning_rate": 0.0005},
     },
     "zscl-mtil-bundled": {
         "output_dir": "outputs/zscl-mtil-bundled", "classification_loss": "cross_entropy",
