@@ -320,6 +320,8 @@ def mtil_task_sources(
     entries = []
     for dataset in names:
         data = load_wds_classification(where[dataset], revision=revisions.get(dataset), cache_dir=cache_dir)
+        if data.commit is not None:  # what to pin (`revision`) to read the same data again
+            logger.info("MTIL dataset %s: %s at commit %s", dataset, data.origin, data.commit)
         entries.append(
             TaskSource(
                 name=dataset,

@@ -26,8 +26,10 @@ Differences, kept on purpose: the official code concatenates the ten name lists 
 "pizza" in Caltech101 and Food, is two columns with one embedding, and the first wins the tie); the paper speaks of
 the union of the classes, which is what `"all"` scores (each name once). The images come from CLIP_benchmark's
 webdataset copies (`hf_ccl.data.mtil`), not from CoOp's split files, so test sets and class counts differ slightly
-(CLIP_benchmark's Caltech101 keeps the background class). The paper's own text could not be read in this session
-beyond its abstract (the definitions above are the code's).
+(CLIP_benchmark's Caltech101 keeps the background class). RAIL's text could not be read in this session beyond its
+abstract (the definitions above are its code's); LADA states the same label space (the classes learned so far and
+the unseen ones, C_L ∪ C_U) and adds a full-shot setting (`shots_per_class=None`). LADA's repository
+(MaolinLuo/LADA) could not be fetched here; RAIL's releases no result matrix.
 """
 
 from __future__ import annotations
