@@ -26,6 +26,7 @@ from .data.builders import check_builder_options
 from .data.collate import load_tokenizer
 from .data.named import NAMED_STREAMS, build_stream, check_stream_options
 from .data.spec import RUN_SUPPLIED, STREAM_BUILDERS, build_stream_from_spec, check_stream_spec
+from .data.stream_registry import STREAM_CHECKS
 from .data.task import TaskStream
 from .distributed import is_main_process
 from .evaluation.matrix import ResultsMatrix
@@ -223,6 +224,11 @@ def check_stream(config: RunConfig) -> None:
     hints = {**type_hints(build_stream), **type_hints(NAMED_STREAMS[config.stream])}
     config.stream_args = check_mapping(config.stream_args, hints, "stream_args.")
     check_shared_options(config.stream_args)
+    if config.stream in STREAM_CHECKS:  # the stream's own values (a pinned revision, a setting), before any download
+        try:
+            STREAM_CHECKS[config.stream](**config.stream_args)
+        except ValueError as error:
+            raise ConfigError(f"stream_args: {error}") from error
 
 
 def check_shared_options(values: dict[str, Any]) -> None:

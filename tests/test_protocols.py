@@ -196,6 +196,23 @@ def test_cil_hub_streams_pin_their_commit(local_hub, shared_data_root, tmp_path:
     assert IMAGENET_R_REPO == "clip-benchmark/wds_imagenet-r"
 
 
+def test_stream_values_are_refused_before_anything_is_built(tmp_path, capsys):
+    """`hf-ccl train` exits 2 (refused by the config's checks, nothing built or downloaded) on a Hub stream without
+    a pinned commit, a setting that is not B<b>-Inc<n>, or a bad X-TAIL option, naming the option."""
+    from hf_ccl.cli import main
+
+    cases = [("cil-imagenet-r", [], "revision must be the full 40-character commit SHA"),
+             ("cil-cifar100-b0inc10", ["stream_args.revision=main"], "revision must be the full"),
+             ("cil-caltech101-bundled", ["stream_args.setting=10-10"], "setting must be"),
+             ("xtail-bundled", ["stream_args.shots_per_class=0"], "shots_per_class"),
+             ("xtail", ["stream_args.templates=own"], "templates must be one of")]
+    for recipe, overrides, message in cases:
+        assert main(["train", "--config", recipe, f"output_dir={tmp_path / recipe}", "model.pretrained=null",
+                     *overrides]) == 2
+        assert message in capsys.readouterr().err
+        assert not (tmp_path / recipe).exists()
+
+
 # ----- recipes -----------------------------------------------------------------------------------------------------
 
 

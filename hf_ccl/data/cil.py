@@ -103,6 +103,31 @@ def check_pinned(source: str | os.PathLike[str], revision: str | None) -> None:
                          f"(a branch or tag moves), got {revision!r}")
 
 
+def check_hub_options(*, source: str | os.PathLike[str], revision: str | None, setting: str = "B0-Inc10",
+                      templates: str = "shared", holdout_fraction: float = 0.2, **_: Any) -> None:
+    """The values of a Hub class-incremental stream's options (ValueError naming the option), read before anything
+    is downloaded: the setting, the templates, a pinned commit, the held-out fraction."""
+    parse_setting(setting)
+    _templates(templates, ["{c}"])
+    check_pinned(source, revision)
+    if isinstance(holdout_fraction, bool) or not isinstance(holdout_fraction, (int, float)) or not (
+            0 < holdout_fraction < 1):
+        raise ValueError(f"holdout_fraction must be a number in (0, 1), got {holdout_fraction!r}")
+
+
+def _check_cifar100(*, source: str = CIFAR100_REPO, revision: str | None = CIFAR100_COMMIT, **options: Any) -> None:
+    check_hub_options(source=source, revision=revision, **options)
+
+
+def _check_imagenet_r(*, source: str = IMAGENET_R_REPO, revision: str | None = None, **options: Any) -> None:
+    check_hub_options(source=source, revision=revision, **options)
+
+
+def _check_caltech101(*, setting: str = "B0-Inc10", templates: str = "shared", **_: Any) -> None:
+    parse_setting(setting)
+    _templates(templates, ["{c}"])
+
+
 def hub_class_incremental(
     source: str | os.PathLike[str],
     revision: str | None,
@@ -116,13 +141,10 @@ def hub_class_incremental(
     common: dict[str, Any],
 ) -> TaskStream:
     """A class-incremental stream of a CLIP_benchmark webdataset repo (or a local copy), at a pinned commit; every
-    option is checked before anything is downloaded."""
+    option is checked before anything is downloaded (`check_hub_options`)."""
+    check_hub_options(source=source, revision=revision, setting=setting, templates=templates,
+                      holdout_fraction=holdout_fraction)
     initial, step = parse_setting(setting)
-    check_pinned(source, revision)
-    if isinstance(holdout_fraction, bool) or not isinstance(holdout_fraction, (int, float)) or not (
-            0 < holdout_fraction < 1):
-        raise ValueError(f"holdout_fraction must be a number in (0, 1), got {holdout_fraction!r}")
-    _templates(templates, ["{c}"])
     data = load_wds_classification(source, revision=revision, cache_dir=cache_dir)
     train_templates, eval_templates = _templates(templates, data.templates)
     order = resolve_class_order(class_order, range(len(data.class_names)))
@@ -133,7 +155,7 @@ def hub_class_incremental(
         task_names=None, **common)
 
 
-@register("cil-cifar100")
+@register("cil-cifar100", check=_check_cifar100)
 def cil_cifar100(
     root: Path,
     common: dict[str, Any],
@@ -157,7 +179,7 @@ def cil_cifar100(
                                  templates=templates, holdout_fraction=0.2, cache_dir=cache_dir, common=common)
 
 
-@register("cil-imagenet-r")
+@register("cil-imagenet-r", check=_check_imagenet_r)
 def cil_imagenet_r(
     root: Path,
     common: dict[str, Any],
@@ -182,7 +204,7 @@ def cil_imagenet_r(
                                  common=common)
 
 
-@register("cil-caltech101-bundled")
+@register("cil-caltech101-bundled", check=_check_caltech101)
 def cil_caltech101_bundled(
     root: Path,
     common: dict[str, Any],

@@ -10,13 +10,19 @@ from .task import TaskStream
 
 StreamBuilder = Callable[..., TaskStream]
 NAMED_STREAMS: dict[str, StreamBuilder] = {}
+#: A named stream's check of its own options' values (`check(**stream_args)` raises ValueError), run with the config's
+#: checks before anything is built or downloaded (`hf_ccl.run.check_stream`).
+STREAM_CHECKS: dict[str, Callable[..., None]] = {}
 
 
-def register(name: str) -> Callable[[StreamBuilder], StreamBuilder]:
-    """Add a builder `fn(root: Path, common: dict, **kwargs) -> TaskStream` to `NAMED_STREAMS`."""
+def register(name: str, check: Callable[..., None] | None = None) -> Callable[[StreamBuilder], StreamBuilder]:
+    """Add a builder `fn(root: Path, common: dict, **kwargs) -> TaskStream` to `NAMED_STREAMS` (and `check`, the
+    check of its options' values, to `STREAM_CHECKS`)."""
 
     def decorate(function: StreamBuilder) -> StreamBuilder:
         NAMED_STREAMS[name] = function
+        if check is not None:
+            STREAM_CHECKS[name] = check
         return function
 
     return decorate

@@ -152,7 +152,31 @@ def xtail_stream(
                                 max_eval_per_task=max_eval_per_task, seed=seed, validate_images=validate_images)
 
 
-@register("xtail")
+def _check_xtail(*, datasets: Sequence[str] | None = None, shots_per_class: int | None = XTAIL_SHOTS,
+                 templates: str = "shared", **_: Any) -> None:
+    xtail_dataset_list(list(datasets) if isinstance(datasets, tuple) else datasets)
+    check_shots(shots_per_class)
+    _check_templates(templates)
+
+
+def _bundled_keys(tasks: Sequence[str] | None) -> list[str]:
+    """The task keys of `xtail-bundled`, checked: `tasks` (distinct, known) or all five."""
+    keys = list(tasks) if tasks is not None else list(XTAIL_BUNDLED_TASKS)
+    if isinstance(tasks, str) or not keys or any(key not in XTAIL_BUNDLED_TASKS for key in keys) or len(set(keys)) < len(
+            keys):
+        raise ValueError(f"tasks must be a non-empty list of distinct names among {', '.join(XTAIL_BUNDLED_TASKS)}, "
+                         f"got {tasks!r}")
+    return keys
+
+
+def _check_xtail_bundled(*, tasks: Sequence[str] | None = None, shots_per_class: int | None = XTAIL_SHOTS,
+                         templates: str = "shared", **_: Any) -> None:
+    _bundled_keys(tasks)
+    check_shots(shots_per_class)
+    _check_templates(templates)
+
+
+@register("xtail", check=_check_xtail)
 def xtail(
     root: Path,
     common: dict[str, Any],
@@ -175,7 +199,7 @@ def xtail(
                         **common)
 
 
-@register("xtail-bundled")
+@register("xtail-bundled", check=_check_xtail_bundled)
 def xtail_bundled(
     root: Path,
     common: dict[str, Any],
@@ -192,11 +216,7 @@ def xtail_bundled(
     splits (3049 / 400 / 540 / 10000 / 12630) before `max_eval_per_task`. `templates`: "shared" ("a photo of a
     {c}." everywhere, X-TAIL) or "dataset" (CLIP_benchmark's per dataset). `tasks`: any of the five, in order.
     """
-    keys = list(tasks) if tasks is not None else list(XTAIL_BUNDLED_TASKS)
-    if isinstance(tasks, str) or not keys or any(key not in XTAIL_BUNDLED_TASKS for key in keys) or len(set(keys)) < len(
-            keys):
-        raise ValueError(f"tasks must be a non-empty list of distinct names among {', '.join(XTAIL_BUNDLED_TASKS)}, "
-                         f"got {tasks!r}")
+    keys = _bundled_keys(tasks)
     check_shots(shots_per_class)
     _check_templates(templates)
     from .templates import benchmark_templates
