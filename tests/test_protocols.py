@@ -100,6 +100,45 @@ def test_xtail_metrics_are_rails_computation():
     assert cm.mtil_last(small) == pytest.approx(185.0 / 3)
 
 
+# PROOF's released class-incremental logs (Zhou et al., github.com/zhoudw-zdw/PROOF at 0bb2052,
+# `logs/proof/cifar224/0/10/cifarb0.log` and `50/10/cifarb50.log`: PyCIL's seed-1993 order, CLIP ViT-B/16): after
+# each step, the accuracy on the test images of every 10-class group seen so far (100 test images per class), the
+# "total" over all of them (the CNN top1 curve) and its running mean ("Average Accuracy (CNN)").
+PROOF_CIFAR_B0_GROUPS = [
+    [97.8], [94.9, 92.5], [92.7, 88.8, 93.1], [89.8, 87.1, 89.7, 86.9], [88.3, 82.3, 89.5, 82.2, 90.7],
+    [87.1, 82.9, 87.7, 82.5, 85.1, 86.3], [86.1, 79.8, 86.8, 79.7, 84.9, 81.0, 91.8],
+    [83.9, 77.3, 86.1, 79.9, 79.3, 72.4, 85.1, 85.8], [82.0, 72.5, 82.8, 79.7, 78.7, 75.3, 82.3, 77.3, 87.8],
+    [79.6, 72.7, 82.1, 78.2, 77.2, 75.0, 82.7, 74.4, 80.1, 89.1],
+]
+PROOF_CIFAR_B0_CURVE = [97.8, 93.7, 91.53, 88.38, 86.6, 85.27, 84.3, 81.22, 79.82, 79.11]
+PROOF_CIFAR_B50_GROUPS = [
+    [90.7, 86.9, 90.9, 86.8, 88.2], [84.6, 81.3, 88.1, 82.8, 84.7, 88.5], [85.4, 79.8, 86.8, 80.9, 84.0, 81.5, 93.3],
+    [84.4, 78.8, 87.3, 79.0, 80.5, 73.3, 85.2, 85.9], [82.3, 73.3, 84.0, 78.9, 80.6, 75.3, 85.0, 73.2, 89.2],
+    [80.8, 74.8, 83.7, 77.2, 80.0, 76.5, 83.8, 69.8, 81.3, 89.4],
+]
+PROOF_CIFAR_B50_CURVE = [88.7, 85.0, 84.53, 81.8, 80.2, 79.73]
+
+
+@pytest.mark.parametrize("groups, curve, average, base", [
+    (PROOF_CIFAR_B0_GROUPS, PROOF_CIFAR_B0_CURVE, 86.773, 1),
+    (PROOF_CIFAR_B50_GROUPS, PROOF_CIFAR_B50_CURVE, 83.32, 5),
+])
+def test_class_incremental_metrics_reproduce_proofs_released_logs(groups, curve, average, base):
+    """CIFAR-100 B0-Inc10 and B50-Inc10: the task-by-task matrix (a task's accuracy: the mean of its 10-class groups,
+    equal sizes) through `class_incremental_per_step` / `_average` / `_last` gives PROOF's curve, its Average Accuracy
+    and its last accuracy (to the logs' rounding)."""
+    T = len(groups)
+    R = np.full((T, T), np.nan)
+    for i, row in enumerate(groups):
+        tasks = [row[:base]] + [[value] for value in row[base:]]
+        R[i, : len(tasks)] = [np.mean(task) for task in tasks]
+    sizes = [1000 * base] + [1000] * (T - 1)
+    np.testing.assert_allclose(cm.class_incremental_per_step(R, sizes), curve, atol=0.005, rtol=0)
+    # abs 0.01: cifarb50.log's last "Average Accuracy" reads 83.32, its curve's mean 83.3267 (the line is cut short)
+    assert cm.class_incremental_average(R, sizes) == pytest.approx(average, abs=0.01)
+    assert cm.class_incremental_last(R, sizes) == pytest.approx(curve[-1], abs=0.005)
+
+
 # ----- X-TAIL streams --------------------------------------------------------------------------------------------
 
 

@@ -5,13 +5,15 @@ A setting `"B<b>-Inc<n>"` is a first task of b classes (b = 0: of n) and then ta
 order (`stream_class_incremental`'s `initial_classes` and `classes_per_step`). Each task is scored among every class
 seen so far (`class_scope: seen`, the `seen_accuracy` headline), and the results matrix then reports the
 class-incremental average and last accuracy (`class_incremental_average` / `class_incremental_last`, iCaRL's,
-checked against MoE-Adapters' released logs in tests/test_mtil_metrics.py).
+checked against MoE-Adapters' released logs in tests/test_mtil_metrics.py and PROOF's CIFAR-100 B0-Inc10 and
+B50-Inc10 logs in tests/test_protocols.py).
 
 Conventions, and where they come from:
 - CIFAR-100's class order is Continual-CLIP's, used by ZSCL and MoE-Adapters (`CIFAR100_CLIP_ORDER`: MoE-Adapters4CL
   at 4572d97, `cil/class_orders/cifar100.yaml`); PyCIL's seed-1993 shuffle (`np.random.seed(1993);
-  np.random.permutation(n)`, the order of PROOF and other PyCIL-based CLIP work) is `class_order: seed-1993`, the
-  default for ImageNet-R and Caltech-101 (it was not checked against PROOF's code in this session);
+  np.random.permutation(n)`, PROOF's: github.com/zhoudw-zdw/PROOF at 0bb2052, `utils/data_manager.py` with
+  `"shuffle": true, "seed": [1993]` in `exps/*.json`) is `class_order: seed-1993`, the default for ImageNet-R (PROOF
+  `exps/img.json`: B0-Inc20) and Caltech-101;
 - prompts: Continual-CLIP's and MoE-Adapters' single template "a bad photo of a {c}." (`templates: shared`), or
   the repo's CLIP_benchmark templates (`templates: dataset`, trained on the first);
 - data: CLIP_benchmark's webdataset copies, read by `hf_ccl.data.mtil.load_wds_classification` at one commit.
