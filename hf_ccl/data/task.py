@@ -81,6 +81,9 @@ class Task:
                              "in results, cards and branches): name the task (e.g. the builder's `names`) or clean "
                              "the column value it came from")
         get_task_kind(self.kind, where=f"Task {self.name!r}: ").check_task(self)
+        if self.dataset_id is not None and (not isinstance(self.dataset_id, str) or not self.dataset_id
+                                            or any(c.isspace() for c in self.dataset_id)):
+            raise ValueError(f"Task {self.name!r}: dataset_id must be a Hub dataset id, got {self.dataset_id!r}")
         if self.dataset_revision is not None and self.dataset_id is None:
             raise ValueError(f"Task {self.name!r}: dataset_revision {self.dataset_revision!r} without a dataset_id")
         if self.modalities is not None:
