@@ -92,6 +92,47 @@ def test_state_without_hub_datasets_leaves_every_task_out() -> None:
     assert task_datasets(state) == {"B": {"id": "o/b", "revision": "r"}} and not_on_the_hub(state) == ["A"]
 
 
+def _parquet(rows: int) -> bytes:
+    import io
+
+    from datasets import ClassLabel, Dataset, Features, Image
+    from PIL import Image as PILImage
+
+    images = []
+    for index in range(rows):
+        buffer = io.BytesIO()
+        PILImage.new("RGB", (8, 8), (index * 20, 0, 0)).save(buffer, format="PNG")
+        images.append({"bytes": buffer.getvalue(), "path": None})
+    features = Features({"image": Image(), "label": ClassLabel(names=["a", "b"])})
+    buffer = io.BytesIO()
+    Dataset.from_dict({"image": images, "label": [i % 2 for i in range(rows)]}, features=features).to_parquet(buffer)
+    return buffer.getvalue()
+
+
+def test_tasks_name_a_hub_id_source_and_nothing_else(local_hub, tmp_path, monkeypatch) -> None:
+    """A task read from a Hub dataset id names it (read at its default branch: no revision); a local one does not."""
+    import datasets
+
+    from hf_ccl.data import build_stream
+    from hf_ccl.data.builders import TaskSource, stream_from_datasets
+    from hf_ccl.data.task import Task
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    local_hub.store.create_repo("dataset", "hf-ccl-test/tiny")
+    local_hub.store.commit("dataset", "hf-ccl-test/tiny", "main", [
+        ("add", "data/train-00000-of-00001.parquet", _parquet(6)),
+        ("add", "data/test-00000-of-00001.parquet", _parquet(4))], "data")
+    (task,) = stream_from_datasets([TaskSource(name="t", train="hf-ccl-test/tiny", label_column="label")], name="x")
+    assert (task.dataset_id, task.dataset_revision) == ("hf-ccl-test/tiny", None)
+    assert build_stream("digits", max_train_per_task=4, max_eval_per_task=4)[0].dataset_id is None
+    with pytest.raises(ValueError, match="dataset_revision 'abc' without a dataset_id"):
+        Task(name="t", train=task.train, eval=task.eval, kind="classification", class_names=["a", "b"],
+             dataset_revision="abc")
+    with pytest.raises(ValueError, match="dataset_id must be a Hub dataset id"):
+        Task(name="t", train=task.train, eval=task.eval, kind="classification", class_names=["a", "b"],
+             dataset_id="not an id")
+
+
 # ----- a tiny MTIL run from the local Hub, pushed, read back by a plain client -----------------------------------
 #: Two stand-ins for MTIL repos (classes, eval rows), so that the two tasks' scores differ.
 FAKE = {"CIFAR100": (["apple", "bear", "cat", "dog"], 8), "MNIST": (["0", "1", "2"], 6)}
