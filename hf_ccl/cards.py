@@ -412,8 +412,11 @@ def _eval_results_files(on_hub: Mapping[str, Mapping[str, Any]], matrix: Results
     row was not evaluated)."""
     if not matrix.rows or not matrix.rows[-1].evaluated:
         return []
+    headline = dict(zip(matrix.task_names, matrix.headline_metrics, strict=True))
     files: dict[str, list[str]] = {}
     for task, dataset in on_hub.items():
+        if headline.get(task) not in matrix.rows[-1].metrics.get(task, {}):
+            continue  # no headline in the row: no entry
         revision = f" at `{str(dataset['revision'])[:10]}`" if dataset.get("revision") else ""
         files.setdefault(f"`{benchmark_file(dataset['id'])}` (`{dataset['id']}`{revision})", []).append(_cell(task))
     return [f"{name}: {', '.join(tasks)}" for name, tasks in files.items()]
@@ -541,7 +544,7 @@ def build_model_card(
         "resume_changes": [(change.get("after_task"), _cell(change.get("key")), _value(change.get("saved")),
                             _value(change.get("now"))) for change in state.get("resume_changes") or []],
         "eval_results_files": _eval_results_files(on_hub, matrix),
-        "eval_results_left_out": [_cell(task) for task in not_on_the_hub(state)],
+        "eval_results_left_out": [_cell(task) for task in not_on_the_hub(state)] if "task_datasets" in state else [],
     }
     content = _compiled_template(_template_text(template_path)).render(**context)
     return ModelCard(content)

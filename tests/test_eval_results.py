@@ -92,6 +92,30 @@ def test_state_without_hub_datasets_leaves_every_task_out() -> None:
     assert task_datasets(state) == {"B": {"id": "o/b", "revision": "r"}} and not_on_the_hub(state) == ["A"]
 
 
+def test_a_checkpoint_folder_gets_its_files_and_a_card_that_lists_what_is_left_out(tmp_path) -> None:
+    from hf_ccl.cards import build_model_card
+
+    matrix = ResultsMatrix(["A", "B"], "accuracy")
+    matrix.add_row("A", {"A": {"accuracy": 12.5}, "B": {"accuracy": 37.5}})
+    matrix.save(tmp_path)
+    state = {"task_index": 0, "task_names": ["A", "B"], "stream": "s",
+             "task_datasets": [None, {"id": "org/b", "revision": "r" * 40}]}
+    (tmp_path / "continual_state.json").write_text(json.dumps(state), encoding="utf-8")
+    (tmp_path / ".eval_results").mkdir()
+    (tmp_path / ".eval_results" / "stale.yaml").write_text("[]", encoding="utf-8")  # from an earlier write
+    assert [p.name for p in write_eval_results(tmp_path)] == ["org--b.yaml"]
+    (entry,) = read_eval_results(tmp_path)["org--b.yaml"]
+    assert (entry.task_id, entry.value, entry.dataset_revision) == ("B", 37.5, "r" * 40)
+    assert sorted(read_eval_results(tmp_path)) == ["org--b.yaml"]
+    text = build_model_card(tmp_path).text
+    assert "- `org--b.yaml` (`org/b` at `rrrrrrrrrr`): B" in text
+    assert "- Left out (bundled or local data, with no Hub dataset to name): A." in text
+    state["task_datasets"] = [None, None]
+    (tmp_path / "continual_state.json").write_text(json.dumps(state), encoding="utf-8")
+    assert write_eval_results(tmp_path) == [] and read_eval_results(tmp_path) == {}
+    assert "No `.eval_results/` file" in build_model_card(tmp_path).text
+
+
 def _parquet(rows: int) -> bytes:
     import io
 
