@@ -43,6 +43,7 @@ STATE_FILE = "continual_state.json"  # hf_ccl.continual.CHECKPOINT_STATE
 HEADLINE_DESCRIPTIONS = {
     "accuracy": "zero-shot top-1 accuracy among the task's classes",
     "seen_accuracy": "zero-shot top-1 accuracy among the classes of every task trained so far",
+    "all_accuracy": "zero-shot top-1 accuracy among the classes of every task of the stream (X-TAIL)",
     "R_mean": "mean of Recall@1/5/10, image-to-text and text-to-image",
     "R@1": "Recall@1, mean of both directions",
 }
