@@ -110,6 +110,12 @@ def test_a_checkpoint_folder_gets_its_files_and_a_card_that_lists_what_is_left_o
     text = build_model_card(tmp_path).text
     assert "- `org--b.yaml` (`org/b` at `rrrrrrrrrr`): B" in text
     assert "- Left out (bundled or local data, with no Hub dataset to name): A." in text
+    results = json.loads((tmp_path / "results.json").read_text(encoding="utf-8"))
+    results["rows"][0]["metrics"]["B"]["accuracy"] = None  # how results.json keeps a NaN
+    (tmp_path / "results.json").write_text(json.dumps(results), encoding="utf-8")
+    with pytest.raises(ValueError, match="task 'B': accuracy after 'A' is nan, not a finite number"):
+        write_eval_results(tmp_path)
+    assert sorted(read_eval_results(tmp_path)) == ["org--b.yaml"]  # refused before anything was written
     state["task_datasets"] = [None, None]
     (tmp_path / "continual_state.json").write_text(json.dumps(state), encoding="utf-8")
     assert write_eval_results(tmp_path) == [] and read_eval_results(tmp_path) == {}
