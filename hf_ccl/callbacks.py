@@ -1,7 +1,8 @@
 """Task-level callbacks: the continual loop's side effects, and the user's own, in the style of `TrainerCallback`.
 
 `ContinualLearner` runs the stream; everything it does besides training, evaluating and keeping method state is a
-`TaskCallback`: Hub pushes (`hf_ccl.hub.HubPushCallback`), model cards (`hf_ccl.cards.ModelCardCallback`),
+`TaskCallback`: Hub pushes (`hf_ccl.hub.HubPushCallback`), model cards (`hf_ccl.cards.ModelCardCallback`), the Hub's
+`.eval_results/` files (`hf_ccl.eval_results.EvalResultsCallback`),
 Mod-X's spatial-disorder diagnostics (`hf_ccl.evaluation.spatial_disorder.SpatialDisorderCallback`) and the compute
 accounting (`hf_ccl.compute.ComputeCallback`). Users pass their own with `ContinualLearner(..., task_callbacks=[...])`.
 

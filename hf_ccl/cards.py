@@ -28,6 +28,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from .callbacks import StreamControl, StreamState, TaskCallback
 from .compute import cost_table, task_records
 from .data.task import find_task_kind
+from .eval_results import benchmark_file, not_on_the_hub, task_datasets
 from .evaluation.matrix import DERIVED_DESCRIPTIONS, INITIAL_LABEL, RESULTS_JSON, ResultsMatrix
 from .processors import AUTO_MAP_NOTE
 from .version import __version__
@@ -263,22 +264,25 @@ EVAL_SPLIT = "eval"
 
 
 def eval_results(
-    matrix: ResultsMatrix, sources: Mapping[str, str] | None = None
+    matrix: ResultsMatrix, sources: Mapping[str, str] | None = None,
+    datasets: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> list[EvalResult]:
     """`model-index` entries for the last trained row of `matrix`: every task trained so far, every metric of
     `EVAL_METRICS` (tasks not trained yet are zero-shot transfer, shown in the card's matrix only).
 
     Values are in percent, rounded to 4 decimals; NaN and missing metrics are left out. `dataset_type` is the task's
-    source (`sources[task]`; the task name when unknown) and `dataset_config` the task's name: the Hub merges
-    results whose task type, dataset type, config and split agree, so tasks cut from one source stay apart.
+    Hub dataset (`datasets[task]["id"]`, with its `revision`: `hf_ccl.eval_results.task_datasets`), else its source
+    (`sources[task]`; the task name when unknown), and `dataset_config` the task's name: the Hub merges results
+    whose task type, dataset type, config and split agree, so tasks cut from one source stay apart.
     """
     if not matrix.rows:
         return []
-    last, sources = matrix.rows[-1], sources or {}
+    last, sources, datasets = matrix.rows[-1], sources or {}, datasets or {}
     results = []
     for task in matrix.task_names[: min(matrix.num_trained, matrix.num_tasks)]:
         metrics = last.metrics.get(task, {})
-        dataset_type = _source_name(sources.get(task) or "") or task
+        hub = datasets.get(task) or {}
+        dataset_type = hub.get("id") or _source_name(sources.get(task) or "") or task
         for spec in EVAL_METRICS:
             value = metrics.get(spec.key, math.nan)
             if math.isfinite(value):
@@ -290,6 +294,7 @@ def eval_results(
                         dataset_name=task,
                         dataset_config=task,
                         dataset_split=EVAL_SPLIT,
+                        dataset_revision=hub.get("revision"),
                         metric_type=spec.metric_type,
                         metric_name=spec.metric_name,
                         metric_value=round(value, 4),
@@ -402,6 +407,21 @@ def _matrix_rows(matrix: ResultsMatrix) -> list[tuple[str, list[str]]]:
     return rows
 
 
+def _eval_results_files(on_hub: Mapping[str, Mapping[str, Any]], matrix: ResultsMatrix) -> list[str]:
+    """The card's lines on `.eval_results/`: a file per Hub dataset and the tasks it scores (none when the last
+    row was not evaluated)."""
+    if not matrix.rows or not matrix.rows[-1].evaluated:
+        return []
+    headline = dict(zip(matrix.task_names, matrix.headline_metrics, strict=True))
+    files: dict[str, list[str]] = {}
+    for task, dataset in on_hub.items():
+        if headline.get(task) not in matrix.rows[-1].metrics.get(task, {}):
+            continue  # no headline in the row: no entry
+        revision = f" at `{str(dataset['revision'])[:10]}`" if dataset.get("revision") else ""
+        files.setdefault(f"`{benchmark_file(dataset['id'])}` (`{dataset['id']}`{revision})", []).append(_cell(task))
+    return [f"{name}: {', '.join(tasks)}" for name, tasks in files.items()]
+
+
 def checkpoint_loaders(methods: Mapping[str, Any]) -> list[dict[str, str]]:
     """The loaders of the methods whose evaluated model is not the checkpoint's weights alone
     (`ContinualMethod.checkpoint_loader`), for the card's "How to use"."""
@@ -451,8 +471,10 @@ def build_model_card(
     headline = dict(zip(matrix.task_names, matrix.headline_metrics, strict=True))
 
     model_name = repo_id.split("/")[-1] if repo_id else f"hf_ccl-{stream}-{'-'.join(methods) or 'clip'}"
-    results = eval_results(matrix, sources)
-    hub_datasets = [source for source in sources.values() if "/" in source and is_hub_id(source)]
+    on_hub = task_datasets(state)
+    results = eval_results(matrix, sources, on_hub)
+    hub_datasets = list(dict.fromkeys([*(d["id"] for d in on_hub.values()),
+                                       *(source for source in sources.values() if "/" in source and is_hub_id(source))]))
     card_data = ModelCardData(
         license=state.get("card_license") or "other",
         model_name=model_name,
@@ -521,6 +543,8 @@ def build_model_card(
         "cost_table": cost_table(task_records(matrix.cost), matrix.cost_run),
         "resume_changes": [(change.get("after_task"), _cell(change.get("key")), _value(change.get("saved")),
                             _value(change.get("now"))) for change in state.get("resume_changes") or []],
+        "eval_results_files": _eval_results_files(on_hub, matrix),
+        "eval_results_left_out": [_cell(task) for task in not_on_the_hub(state)] if "task_datasets" in state else [],
     }
     content = _compiled_template(_template_text(template_path)).render(**context)
     return ModelCard(content)

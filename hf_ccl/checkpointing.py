@@ -339,6 +339,8 @@ def checkpoint_state(index: int, run: RunState, stream: TaskStream) -> dict[str,
         "stream": stream.name,
         "task_names": stream.task_names,
         "task_sources": [task.source for task in stream],
+        "task_datasets": [None if task.dataset_id is None else {"id": task.dataset_id, "revision": task.dataset_revision}
+                          for task in stream],
         "methods": [method.name for method in run.methods],
         "method_configs": {method.name: method.config.to_dict() for method in run.methods},
         "base_model": description.get("base_model"),

@@ -54,6 +54,7 @@ from .data.streaming import is_empty, is_streaming, whole_batches
 from .data.task import CollatorSetup, ModelPart, TaskStream
 from .data.workers import dataloader_defaults, training_device_type
 from .distributed import barrier, broadcast_object, is_main_process, launch_defaults, world_size
+from .eval_results import EvalResultsCallback
 from .evaluation.checks import NonFiniteEmbeddingError
 from .evaluation.matrix import ResultsMatrix
 from .evaluation.schedule import StreamEvaluator, evaluated_after
@@ -148,7 +149,7 @@ class ContinualLearner:
         self.base_model = model.config._name_or_path or None  # what the run started from, for the model card
         self.model.align_special_tokens(tokenizer)
         self.task_callbacks = TaskCallbackHandler(
-            [ComputeCallback(), SpatialDisorderCallback(), ModelCardCallback(), HubPushCallback()]
+            [ComputeCallback(), SpatialDisorderCallback(), ModelCardCallback(), EvalResultsCallback(), HubPushCallback()]
         )
         self.task_callbacks.add(list(task_callbacks or []))
         self.state = StreamState(num_tasks=len(stream))

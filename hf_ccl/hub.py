@@ -149,9 +149,10 @@ def push_run(run_dir: str | Path, repo_id: str, **options: Any) -> PushReport:
     folders = sorted((int(p.name[5:]), p) for p in Path(run_dir).glob("task-*") if p.name[5:].isdigit())
     if not folders:
         raise ValueError(f"{run_dir} has no task checkpoints (task-<k>/ folders) to push")
+    for _, folder in folders:
+        verify_checkpoint(folder)  # never push a damaged checkpoint; all checked before anything is sent
     pusher = HubPusher(repo_id, background=False, **options)
     for index, folder in folders:
-        verify_checkpoint(folder)  # never push a damaged checkpoint
         pusher.push(folder, index)
     return pusher.finish()
 

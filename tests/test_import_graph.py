@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("entry points", ("hf_ccl", "hf_ccl.cli", "hf_ccl.run", "hf_ccl.testing")),
     ("the loop", ("hf_ccl.continual", "hf_ccl.config")),
     ("the loop's parts", ("hf_ccl.trainer", "hf_ccl.checkpointing", "hf_ccl.run_state", "hf_ccl.cards", "hf_ccl.hub",
+                          "hf_ccl.eval_results",
                           "hf_ccl.stream_logging", "hf_ccl.resume_settings", "hf_ccl.run_folder", "hf_ccl.checks")),
     ("components", ("hf_ccl.methods", "hf_ccl.evaluation", "hf_ccl.metrics", "hf_ccl.data", "hf_ccl.modeling",
                     "hf_ccl.families", "hf_ccl.processors", "hf_ccl.tokenization", "hf_ccl.tokenization_unigram",

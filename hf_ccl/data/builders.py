@@ -31,6 +31,7 @@ Task k's stream is shuffled with a buffer of `shuffle_buffer` rows and seed `see
 from __future__ import annotations
 
 import hashlib
+import os
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -61,8 +62,10 @@ from .source_streams import RowFilter, canonical_stream, matching_strings, step_
 from .sources import (
     DatasetSource,
     image_base,
+    is_path_source,
     is_single_split,
     load_split,
+    local_path,
     reads_as_stream,
     source_name,
     stream_split,
@@ -128,6 +131,10 @@ class TaskSource:
     eval_split: str = "test"
     where: Mapping[str, Any] | None = None
     source: str | None = None
+    #: The Hub dataset the eval data come from and its commit (`Task.dataset_id`); by default the eval source itself
+    #: when it is a Hub id (not pinned: no revision).
+    dataset_id: str | None = None
+    dataset_revision: str | None = None
 
     @property
     def spec(self) -> TextSpec:
@@ -202,6 +209,8 @@ class _Resolved:
     id_column: str | None = None  # image ids from this column's values instead of row numbers
     stream: IterableDataset | None = None  # the train split read from its source, when it streams
     time_step: _TimeStep | None = None
+    dataset_id: str | None = None  # the Hub dataset of the eval data (TaskSource.dataset_id)
+    dataset_revision: str | None = None
 
 
 @dataclass
@@ -342,7 +351,11 @@ def _resolve(entry: TaskSource, *, stream_train: bool = False, columns: Sequence
             )
         names = resolve_class_names(list(data.values()), spec.label_column, spec.class_names)
     bases = {role: image_base(sources[role], splits[role]) for role in ("train", "eval")}
-    return _Resolved(entry.name, spec, data, splits, source, names, bases, where, stream=stream)
+    dataset_id, revision = entry.dataset_id, entry.dataset_revision
+    if dataset_id is None and is_path_source(sources["eval"]) and local_path(sources["eval"]) is None:
+        dataset_id = os.fspath(sources["eval"])  # a Hub id, read at its default branch
+    return _Resolved(entry.name, spec, data, splits, source, names, bases, where, stream=stream,
+                     dataset_id=dataset_id, dataset_revision=revision)
 
 
 def _base_source(
@@ -447,6 +460,8 @@ def _make_task(item: _Resolved, train: Dataset | IterableDataset, eval: Dataset,
         train_templates=list(item.spec.templates) if item.class_names else None,
         source=item.source,
         dropped=report,
+        dataset_id=item.dataset_id,
+        dataset_revision=item.dataset_revision,
     )
 
 

@@ -332,6 +332,8 @@ def mtil_task_sources(
                 eval_templates=data.templates,
                 image_column=data.image_column,
                 source=dataset.lower(),
+                dataset_id=data.origin if data.commit is not None else None,  # a Hub repo, read at one commit
+                dataset_revision=data.commit,
             )
         )
     return entries

@@ -70,6 +70,10 @@ class Task:
     dropped: dict[str, dict[str, int]] = field(default_factory=dict)
     modalities: tuple[str, str] | None = None
     columns: tuple[str, str] | None = None
+    #: The Hub dataset (`owner/name`) the eval split was read from and the commit it was read at (None: not pinned);
+    #: None for bundled, local or in-memory data. `.eval_results` lists only tasks with one (`hf_ccl.eval_results`).
+    dataset_id: str | None = None
+    dataset_revision: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip() or not self.name.isprintable():
@@ -77,6 +81,11 @@ class Task:
                              "in results, cards and branches): name the task (e.g. the builder's `names`) or clean "
                              "the column value it came from")
         get_task_kind(self.kind, where=f"Task {self.name!r}: ").check_task(self)
+        if self.dataset_id is not None and (not isinstance(self.dataset_id, str) or not self.dataset_id
+                                            or any(c.isspace() for c in self.dataset_id)):
+            raise ValueError(f"Task {self.name!r}: dataset_id must be a Hub dataset id, got {self.dataset_id!r}")
+        if self.dataset_revision is not None and self.dataset_id is None:
+            raise ValueError(f"Task {self.name!r}: dataset_revision {self.dataset_revision!r} without a dataset_id")
         if self.modalities is not None:
             self.modalities = self._two_names("modalities", self.modalities)
             if self.modalities[0] == self.modalities[1]:
