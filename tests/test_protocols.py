@@ -187,6 +187,7 @@ def test_xtail_stream_from_the_local_hub(xtail_hub, tmp_path: Path):
     for task in stream:
         assert Counter(_labels(task.train)) == {0: 2, 1: 2, 2: 2}
         assert task.train_templates == task.eval_templates == list(XTAIL_TEMPLATES)
+        assert (task.dataset_id, task.dataset_revision) == (MTIL_REPOS[task.name], xtail_hub.commits[task.name])
     assert len(stream[0].eval) == 6  # SUN397's single split, 20 % of each class held out
     with pytest.raises(ValueError, match="shots_per_class"):
         xtail_stream(["Aircraft"], shots_per_class=1.5)
@@ -227,6 +228,7 @@ def test_cil_hub_streams_pin_their_commit(local_hub, shared_data_root, tmp_path:
     assert stream[0].class_names[:3] == ["class 87", "class 0", "class 52"]
     assert stream[1].class_names == [names[k] for k in CIFAR100_CLIP_ORDER[50:60]]
     assert stream[0].train_templates == ["a bad photo of a {c}."]
+    assert {(task.dataset_id, task.dataset_revision) for task in stream} == {(CIFAR100_REPO, commit)}  # .eval_results
     asked = len(local_hub.request_log)
     for name, options in (("cil-cifar100", {"revision": "main"}), ("cil-imagenet-r", {})):
         with pytest.raises(ValueError, match="full 40-character commit SHA"):

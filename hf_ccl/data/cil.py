@@ -150,11 +150,15 @@ def hub_class_incremental(
     data = load_wds_classification(source, revision=revision, cache_dir=cache_dir)
     train_templates, eval_templates = _templates(templates, data.templates)
     order = resolve_class_order(class_order, range(len(data.class_names)))
-    return stream_class_incremental(
+    stream = stream_class_incremental(
         _train_eval(data, "train", "test", float(holdout_fraction)), step, initial_classes=initial,
         class_order=order, label_column="cls", class_names=data.class_names, train_templates=train_templates,
         eval_templates=eval_templates, image_column=data.image_column, name=f"{name}-{setting}", source=name,
         task_names=None, **common)
+    if data.commit is not None:  # a Hub repo read at one commit: its tasks name it in `.eval_results` (hf_ccl.eval_results)
+        for task in stream:
+            task.dataset_id, task.dataset_revision = data.origin, data.commit
+    return stream
 
 
 @register("cil-cifar100", check=_check_cifar100)
