@@ -303,6 +303,15 @@ def eval_results(
     return results
 
 
+#: What a classification task's headline is scored among, per `class_scope` (`hf_ccl.class_prompts`).
+SCORED_AMONG = {
+    "task": "the task's own classes",
+    "seen": "every class seen so far (`class_scope: seen`: the task's own and those of every task trained up to this "
+            "checkpoint; no task identity)",
+    "all": "every class of every task of the stream, trained or not (`class_scope: all`, X-TAIL; no domain identity)",
+}
+
+
 def chance_level(entry: Mapping[str, Any]) -> float | None:
     """The headline score (%) of a random guess, from the task's kind (`TaskKind.chance_level`): 100/classes for
     accuracy; for retrieval R_mean, the mean of K/N over K = 1, 5, 10 with N eval examples (one caption per image)."""
@@ -537,6 +546,7 @@ def build_model_card(
         "hf_ccl_version": state.get("hf_ccl_version") or __version__,
         "license": state.get("card_license"),
         "protocol": _protocol_rows(state.get("evaluation") or []),
+        "scored_among": SCORED_AMONG.get(state.get("class_scope", "task"), SCORED_AMONG["task"]),
         "preprocessing": _preprocessing(folder),
         "convention": _text_convention(folder),
         "samples_seen_text": _samples_seen_text(_samples_seen(folder)),

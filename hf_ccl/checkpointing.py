@@ -45,6 +45,7 @@ from .checkpoint_files import (
     verify_checkpoint,
     write_manifest,
 )
+from .class_prompts import scope_class_names
 from .compute import compute_state
 from .data.collate import load_tokenizer
 from .data.task import TaskStream
@@ -352,7 +353,9 @@ def checkpoint_state(index: int, run: RunState, stream: TaskStream) -> dict[str,
         "settings": run.settings,
         "resume_changes": run.resume_changes,
         "card_license": description.get("card_license"),
-        "evaluation": [evaluation_protocol(task) for task in stream],
+        "class_scope": description.get("class_scope", "task"),
+        "evaluation": [evaluation_protocol(task, stream, index + 1, description.get("class_scope", "task"))
+                       for task in stream],
     }
 
 
@@ -411,10 +414,16 @@ def latest_task_checkpoint(run_dir: str | Path, warn: bool = True) -> Path | Non
 
 
 
-def evaluation_protocol(task: Any) -> dict[str, Any]:
-    """What the model card says of how a task is evaluated: its kind, eval rows, classes and prompt templates."""
-    return {"task": task.name, "kind": task.kind, "split": "eval", "examples": len(task.eval),
-            "classes": len(task.class_names) if task.class_names else None,
+def evaluation_protocol(task: Any, stream: TaskStream | None = None, trained: int = 0, class_scope: str = "task"
+                        ) -> dict[str, Any]:
+    """What the model card says of how a task is evaluated: its kind, eval rows, prompt templates and the classes its
+    headline is scored among: the task's own, or under `class_scope` seen/all every class seen after `trained` tasks
+    / in the stream (`hf_ccl.class_prompts.scope_class_names`), which sets the chance level."""
+    classes = len(task.class_names) if task.class_names else None
+    if classes and class_scope != "task" and stream is not None:
+        classes = len(scope_class_names(list(stream), trained, task, class_scope) or task.class_names)
+    return {"task": task.name, "kind": task.kind, "split": "eval", "examples": len(task.eval), "classes": classes,
+            "class_scope": class_scope,
             "templates": len(task.eval_templates or DEFAULT_TEMPLATES) if task.kind_spec.has_classes else None}
 
 

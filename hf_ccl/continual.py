@@ -164,7 +164,8 @@ class ContinualLearner:
             callbacks=self.task_callbacks.callbacks,
             allow_changes=list(args.resume_allow_changes),
             description={"base_model": self.base_model, "seed": args.seed, "training": args.training,
-                         "first_task_epochs": args.first_task_epochs, "card_license": args.card.license},
+                         "first_task_epochs": args.first_task_epochs, "card_license": args.card.license,
+                         "class_scope": args.class_scope},
         )
         self.stream_logger: StreamLogger | None = None  # one logging run per fit()
         self._lock: RunFolderLock | None = None

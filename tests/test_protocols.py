@@ -4,6 +4,7 @@ local Hub server at pinned commits), and the recipes through `hf-ccl train`."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from pathlib import Path
@@ -275,11 +276,19 @@ def test_the_protocol_recipes_run_from_the_command_line(tmp_path, capsys, recipe
     results = ResultsMatrix.load(tmp_path)
     assert results.headline_metrics == [headline, headline] and results.num_trained == 2
     markdown = (tmp_path / "results.md").read_text()
+    card = (tmp_path / "task-0" / "README.md").read_text()
+    state = json.loads((tmp_path / "task-0" / "continual_state.json").read_text())
+    classes = {entry["task"]: entry["classes"] for entry in state["evaluation"]}
     if recipe == "xtail-bundled":  # unseen domains are scored too: the whole matrix is filled
         assert not np.isnan(results.headline()).any() and "mtil_transfer" in markdown
+        union = len({name for task in build_stream(recipe, tasks=["dtd10", "rsscn7"]) for name in task.class_names})
+        assert classes == {"dtd10": union, "rsscn7": union} and "every class of every task of the stream" in card
+        assert f"| {100 / union:.2f} |" in card  # chance among the union, not among a domain's own classes
         assert results.rows[0].metrics["rsscn7"]["all_accuracy"] <= results.rows[0].metrics["rsscn7"]["accuracy"]
     else:
         assert "class_incremental_average" in markdown and not math.isnan(results.summary()["class_incremental_last"])
+        assert list(classes.values()) == [50, 100]  # after task 0: the 50 seen, and the second task's own with them
+        assert "every class seen so far" in card
     capsys.readouterr()
 
 
