@@ -56,9 +56,13 @@ SAME_STEP_AS = {name: declared(name, "same_step_as") for name in METHODS
 assert set(SAME_STEP_AS.values()) <= set(METHODS), f"same_step_as names an unknown method: {SAME_STEP_AS}"
 assert set(MATRIX_SIBLINGS.values()) <= set(METHODS), f"variant_of names an unknown method: {MATRIX_SIBLINGS}"
 REPRESENTATIVE = {name for name in METHODS if name not in SAME_STEP_AS}
-#: Every method as a pytest parameter, those in `SAME_STEP_AS` marked `slow`.
-REPRESENTATIVE_MATRIX = [name if name in REPRESENTATIVE else pytest.param(name, marks=pytest.mark.slow)
-                         for name in METHODS]
+#: Methods that never train the model (`trains_model=False`, RAIL): they have no training step for the step checks
+#: (accumulation, compile, bf16, sync count) to run, which skip them with the reason; every other check runs them.
+STEPLESS = {name for name in METHODS if not METHOD_CLASSES[name].trains_model}
+#: Every method as a pytest parameter, those in `SAME_STEP_AS` marked `slow`, those in `STEPLESS` skipped.
+REPRESENTATIVE_MATRIX = [
+    pytest.param(name, marks=pytest.mark.skip(reason=f"{name} takes no training step")) if name in STEPLESS
+    else name if name in REPRESENTATIVE else pytest.param(name, marks=pytest.mark.slow) for name in METHODS]
 #: Methods that train pair tasks only (learner heads on cached features, found by what they attach): they run on a
 #: pair stream, and so does any method tested beside them. Every other method runs on its `test_stream`.
 PAIR_ONLY = {name for name in METHODS if METHOD_CLASSES[name].attaches is ModelPart.LEARNER_HEADS}

@@ -194,6 +194,10 @@ class ContinualMethod(Generic[ConfigT]):
     #: (`classification_loss: cross_entropy`) then also encodes the earlier tasks' class prompts, each row scored
     #: among its own task's classes (`hf_ccl.class_prompts`).
     trains_on_past_tasks: ClassVar[bool] = False
+    #: False when the method never trains the model (RAIL fits a closed-form regression on its frozen features after
+    #: each task): its `training_overrides` make the Trainer take no step, and no other method may join it (theirs
+    #: would train the model it keeps frozen; `check_combination`).
+    trains_model: ClassVar[bool] = True
 
     # Combinations, declared by each method and checked by `build_methods` before anything is built or trained.
     #: What the method does that another method may clash with: {role: what it does} (the text is used in errors).

@@ -34,7 +34,13 @@ def get_method_class(name: str) -> type[ContinualMethod]:
 
 def check_combination(classes: Sequence[type[ContinualMethod]]) -> None:
     """Refuse methods that make no sense together or in this order, from what each declares (`roles`,
-    `conflicts`, `runs_after`, `runs_before`), with the reason."""
+    `conflicts`, `runs_after`, `runs_before`), with the reason. A method that never trains the model
+    (`trains_model=False`) runs alone."""
+    frozen = [cls.name for cls in classes if not cls.trains_model]
+    if frozen and len(classes) > 1:
+        others = [cls.name for cls in classes if cls.name != frozen[0]]
+        raise ConfigError(f"Method {frozen[0]!r} cannot be combined with {others}: it never trains the model (its "
+                          "fit is closed-form on the frozen model's features), which they would train: use it alone")
     for first, second in itertools.combinations(classes, 2):
         for this, other in ((first, second), (second, first)):
             for role, why in this.conflicts.items():
