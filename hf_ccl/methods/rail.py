@@ -286,8 +286,8 @@ class RAIL(ContinualMethod[RAILConfig]):
     def check_stream(self, stream: Any) -> None:
         kinds = [task.kind for task in stream if not task.kind_spec.has_classes]
         if kinds:
-            raise ValueError(f"{NAME} learns a regression to class labels: every task must be a classification task, "
-                             f"the stream has {sorted(set(kinds))} tasks")
+            raise ConfigError(f"{NAME} learns a regression to class labels: every task must be a classification "
+                              f"task, the stream has {sorted(set(kinds))} tasks", "methods")
 
     def on_task_start(self, context: TaskContext) -> None:
         attach_scorer(context.model, self.state)
