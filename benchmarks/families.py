@@ -105,6 +105,8 @@ NOT_COMPARED = {
                                  "compared on a language stream in benchmarks/languages.py (cllclip's terms replace "
                                  "the class-prompt cross-entropy)",
     "learner_heads": "CMCL's modality-pair family on frozen features; see benchmarks/cmcl_pairs.py",
+    "rail": "trains nothing (a closed-form regression on the frozen model's features, no optimizer step, so no step "
+            "time or budget to compare); not run in this table yet",
 }
 #: Why each method is configured as it is (the options themselves are printed from `family_args`).
 WHY = {
