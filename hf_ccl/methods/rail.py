@@ -132,10 +132,25 @@ class RAILState:
                 self.class_names.append(name)
         return [position[name] for name in names]
 
+    def to(self, device: torch.device | str) -> RAILState:
+        """Move the tensors to `device` (the fit and the scores run where the state is)."""
+        for key in ("hidden", "memory", "weight", "labels", "inverse"):
+            value = getattr(self, key)
+            if value is not None:
+                setattr(self, key, value.to(device))
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return self.memory.device if self.memory is not None else torch.device("cpu")
+
     def fit(self, features: torch.Tensor, labels: torch.Tensor, seed: int) -> None:
-        """Add one task's features [N, D] (any float dtype, normalised here) and global class ids [N]."""
+        """Add one task's features [N, D] (any float dtype, normalised here) and global class ids [N]; computed on
+        the features' device (the model's: a GPU when there is one), where the state then stays."""
         config = self.config
+        self.to(features.device)
         features = nn.functional.normalize(features.double(), dim=-1)
+        labels = labels.to(features.device)
         targets = nn.functional.one_hot(labels.long(), len(self.class_names)).double()
         if config.form == "primal":
             if self.memory is None:
@@ -143,10 +158,11 @@ class RAILState:
                 if dim:
                     bound = features.shape[1] ** -0.5  # nn.Linear's default initialisation, as the official RHL
                     generator = torch.Generator().manual_seed(int(seed))
-                    self.hidden = (torch.rand(features.shape[1], dim, generator=generator) * 2 - 1) * bound
+                    hidden = (torch.rand(features.shape[1], dim, generator=generator) * 2 - 1) * bound
+                    self.hidden = hidden.to(features.device)
                 width = dim or features.shape[1]
-                self.memory = torch.eye(width, dtype=torch.float64) / config.ridge_value
-                self.weight = torch.zeros(width, 0, dtype=torch.float64)
+                self.memory = torch.eye(width, dtype=torch.float64, device=features.device) / config.ridge_value
+                self.weight = features.new_zeros(width, 0)
             assert self.weight is not None
             expanded = rail_math.expand(features, None if self.hidden is None else self.hidden.double())
             self.memory, self.weight = rail_math.primal_update(self.memory, self.weight, expanded, targets)
@@ -201,10 +217,11 @@ class RAILScorer(nn.Module):
         state, config = self.state, self.state.config
         if not state.class_names:
             return None
-        features = nn.functional.normalize(image_embeds.detach().double().cpu(), dim=-1)
-        logits = config.zero_shot_scale * features @ class_embeds.detach().double().cpu().T
+        device = state.device
+        features = nn.functional.normalize(image_embeds.detach().to(device, torch.float64), dim=-1)
+        logits = config.zero_shot_scale * features @ class_embeds.detach().to(device, torch.float64).T
         learned = {name: index for index, name in enumerate(state.class_names)}
-        columns = torch.tensor([learned.get(name, -1) for name in class_names], dtype=torch.long)
+        columns = torch.tensor([learned.get(name, -1) for name in class_names], dtype=torch.long, device=device)
         known = columns >= 0
         adapter = features.new_zeros(features.shape[0], len(class_names))
         if bool(known.any()):
@@ -301,7 +318,7 @@ class RAIL(ContinualMethod[RAILConfig]):
         features, names = task_features(context)
         labels = torch.tensor(self.state.class_index(names), dtype=torch.long)
         self.state.class_index(list(context.task.class_names or []))  # every class of the task is learned
-        self.state.fit(features.cpu(), labels, seed=context.seed)
+        self.state.fit(features, labels, seed=context.seed)
         attach_scorer(context.model, self.state)
         logger.info("%s, task %d: %s form fitted on %d images, %d classes learned", NAME, context.task_index,
                     self.config.form, len(names), len(self.state.class_names))
