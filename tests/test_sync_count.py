@@ -22,7 +22,7 @@ from typing import Any
 import method_matrix
 import pytest
 import torch
-from method_matrix import MATRIX, METHOD_CLASSES, REPRESENTATIVE_MATRIX, run_method
+from method_matrix import MATRIX, METHOD_CLASSES, REPRESENTATIVE_MATRIX, STEPLESS, run_method
 from torch.overrides import TorchFunctionMode
 from transformers import TrainerCallback
 
@@ -288,7 +288,8 @@ def test_expected_syncs_name_registered_methods():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name", [name for name in MATRIX if getattr(name, "values", [name])[0] not in EXPECTED])
+@pytest.mark.parametrize("name", [name for name in MATRIX
+                                  if getattr(name, "values", [name])[0] not in {*EXPECTED, *STEPLESS}])
 def test_cuda_step_does_not_synchronize(name, tmp_path, monkeypatch):
     """The same step on a GPU with torch's sync debugging set to raise: any synchronising call fails the step
     (eager attention, without transformers' SDPA mask check: `EXTERNAL`)."""
