@@ -160,6 +160,19 @@ def test_a_stream_without_class_labels_is_refused_naming_its_task_kinds():
         method.check_stream(TaskStream("s", [captioned]))
 
 
+def test_a_streaming_train_split_is_refused_naming_the_task():
+    from datasets import Dataset
+
+    from hf_ccl.data.task import Task, TaskStream
+
+    rows = Dataset.from_dict({"image": [None], "texts": [["a zero"]], "image_id": ["0"], "label": [0]})
+    task = Task(name="streamed", train=rows.to_iterable_dataset(), eval=rows, kind="classification",
+                class_names=["zero"])
+    (method,) = build_methods(["rail"])
+    with pytest.raises(ConfigError, match=r"tasks \['streamed'\] have streaming train splits"):
+        method.check_stream(TaskStream("s", [task]))
+
+
 @pytest.mark.slow
 def test_a_stream_without_class_labels_is_refused_before_the_model_is_built(tmp_path, capsys):
     """(The stream's task kinds are known once it is built: exit 1, as every method's `check_stream`.)"""

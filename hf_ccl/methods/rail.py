@@ -31,10 +31,9 @@ features the unit-norm output of `encode_image` (hf_ccl's projected image embedd
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -250,21 +249,15 @@ def attach_scorer(model: nn.Module, state: RAILState) -> RAILScorer:
 def task_features(context: TaskContext) -> tuple[torch.Tensor, list[str]]:
     """The frozen model's image embeddings [N, D] (float32, on the model's device) of the task's own training images
     (its train split) and each image's class name; every process computes all of them."""
-    from ..data.streaming import is_streaming
-
     if context.collator is None:
         raise ValueError(f"{NAME} fits on the task's training images and needs context.collator (set by "
                          "ContinualLearner)")
     model, task, collator = context.model, context.task, context.collator
     names = list(task.class_names or [])
     batch_size = max(int(context.eval_batch_size or 64), 1)
-    dataset = task.train
-    if is_streaming(dataset):
-        rows = iter(dataset)
-        batches: Iterator[list[Any]] = iter(lambda: list(itertools.islice(rows, batch_size)), [])
-    else:
-        batches = iter([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
-                       for start in range(0, len(dataset), batch_size))
+    dataset = task.train  # map-style (`RAIL.check_stream` refuses streaming splits)
+    batches = ([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
+               for start in range(0, len(dataset), batch_size))
     device = next(model.parameters()).device
     parts: list[torch.Tensor] = []
     labels: list[str] = []
@@ -305,6 +298,13 @@ class RAIL(ContinualMethod[RAILConfig]):
         if kinds:
             raise ConfigError(f"{NAME} learns a regression to class labels: every task must be a classification "
                               f"task, the stream has {sorted(set(kinds))} tasks", "methods")
+        from ..data.streaming import is_streaming
+
+        streaming = [task.name for task in stream if is_streaming(task.train)]
+        if streaming:  # the loop trains a streaming task for max_steps >= 1, and rail takes no step
+            raise ConfigError(f"{NAME} takes no training step, and the loop trains streaming tasks for max_steps "
+                              f"steps: tasks {streaming} have streaming train splits; load them as map-style "
+                              "datasets (leave out streaming: true)", "methods")
 
     def on_task_start(self, context: TaskContext) -> None:
         attach_scorer(context.model, self.state)
