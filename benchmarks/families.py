@@ -16,7 +16,7 @@ Methods (`--methods`, default all), by family:
                              replay: er, derpp; gradient projection: dns, gem, agem; TiC-CLIP's data strategies:
                              cumulative_all, cumulative_exp, cumulative_equal, restart, oracle, patching;
                              parameter-efficient: lora, prompt
-    downstream               zscl, moe_adapters, wise_ft, weight_ensemble
+    downstream               zscl, moe_adapters, wise_ft, weight_ensemble, diki
 
 Per method and stream (mean ± std over (order, seed) pairs): Last, Avg. and Transfer as ZSCL's `mtil/results.ipynb`
 (on pacs-domains Transfer is the same formula: the accuracy on the domains not trained yet), Transfer over the tasks
@@ -95,6 +95,7 @@ FAMILIES = {
     "patching": "TiC data strategy",
     "lora": "parameter-efficient", "prompt": "parameter-efficient",
     "zscl": "downstream", "moe_adapters": "downstream", "wise_ft": "downstream", "weight_ensemble": "downstream",
+    "diki": "downstream",
 }
 METHODS = ",".join(FAMILIES)
 #: Registered methods this table does not compare, and why (a user may still name them in `--methods`).
@@ -136,6 +137,8 @@ WHY = {
     "moe_adapters": "bottleneck `--moe-bottleneck`, DDAS, `--moe-lr` (zero-initialised experts scaled by 0.1)",
     "wise_ft": "interpolation with the zero-shot model after each task (alpha `--wise-alpha`)",
     "weight_ensemble": "ZSCL's weight ensemble alone, every ~1/10 task",
+    "diki": "residual attention prompts in the first 8 layers of both towers, likelihood routing and calibration "
+            "(the official code's settings), `--diki-lr`",
 }
 PACS_ORDERS = {"I": PACS_DOMAINS, "II": tuple(reversed(PACS_DOMAINS))}
 #: The smoke run's sizes: a tiny starting model pretrained for a few steps, a few images per task.
@@ -189,7 +192,8 @@ def family_args(name: str, options) -> dict:
 
 
 def learning_rate(name: str, options) -> float:
-    return {"moe_adapters": options.moe_lr, "lora": options.lora_lr, "prompt": options.prompt_lr}.get(name, options.lr)
+    return {"moe_adapters": options.moe_lr, "lora": options.lora_lr, "prompt": options.prompt_lr,
+            "diki": options.diki_lr}.get(name, options.lr)
 
 
 def budget(stream, options) -> int:
@@ -476,6 +480,8 @@ def parser() -> argparse.ArgumentParser:
                         help="moe_adapters' (zero-initialised experts scaled by 0.1; as benchmarks/mtil.py)")
     parser.add_argument("--lora-lr", type=_positive(float), default=1e-3, help="lora's (zero-initialised B)")
     parser.add_argument("--prompt-lr", type=_positive(float), default=2e-3, help="prompt's (CoOp: 2e-3)")
+    parser.add_argument("--diki-lr", type=_positive(float), default=2e-3,
+                        help="diki's prompts (the official code: SGD at 5.0; this table trains with AdamW, as prompt)")
     parser.add_argument("--buffer-size", type=_positive(int), default=200, help="er and derpp buffers")
     parser.add_argument("--memory-per-task", type=_positive(int), default=50, help="gem and agem memories")
     parser.add_argument("--wise-alpha", type=float, default=0.8)
