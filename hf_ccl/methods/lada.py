@@ -1,0 +1,416 @@
+"""LADA (Luo, Zhou, Wei and Zhang, ICML 2025, "LADA: Scalable Label-Specific CLIP Adapter for Continual Learning",
+arXiv 2505.23271; official code github.com/MaolinLuo/LADA, not readable here: see "What could not be read").
+
+**Setting.** X-TAIL and class-incremental classification: task k brings classes C^k; at test time an image is scored
+among every class seen so far (and unseen ones) with no task identity and no parameter selection. The image tower
+f_I is frozen and LADA sits after it, so no gradient reaches CLIP (`hf_ccl.methods.lada_memory`).
+
+**Text side** (the paper's preliminary framework, Eq. 3-4). Each class c^i_j has a text feature t^i_j; learning task
+k updates only t^k_j (those of earlier tasks are frozen). Here t^k_j is initialised at the class's zero-shot embedding
+(the normalised mean of its training-template prompts) and trained directly; the paper produces it with an
+AdaptFormer on the text tower (its Appendix B), which is not implemented here (`learn_text: false` keeps the
+zero-shot embedding).
+
+**Label-specific memory.** Each class c holds λ = `num_units` memory units W_c (initialised at the K-means centres of
+its training images' normalised features v) and its label-specific features φ_c(v) = [exp(-β(1 - v·w_c(l)))]_l;
+the memories of all tasks are concatenated (aggregated across tasks), so every image meets every learned class's
+units: inference selects no parameters.
+
+**Scores** (every learned class c, and the evaluator's class embedding e_c for a class never learned):
+
+    s_c(v) = exp(t) cos(v, t_c) + α Σ_l φ_c,l(v)          (learned)        s_c(v) = exp(t) cos(v, e_c)   (unseen)
+
+**Loss of task k** (only task k's t and W train). The current task's cross-entropy among all seen classes, averaged
+per class and summed over classes (paper Eq. 3: Σ_j 1/|D^k_j| Σ_{v ∈ D^k_j} ℓ), plus the distillation of every
+earlier class (paper Eq. 4), weighted by `distill_weight`:
+
+    L = Σ_j mean_{v ∈ batch ∩ D^k_j} CE(s(v), j)  +  γ Σ_{i<k, j} mean_{z ~ class (i, j)} CE(s(z), (i, j))
+
+where z are, with `distribution: gmm` (the default, the paper's distribution-preserved training), `samples_per_class`
+draws per earlier class and step from its Gaussian components {π(l), p(l), Σ(l)} (a component by π, then
+p + Σ^½ ε with diagonal Σ, renormalised), and with `distribution: prototypes` its λ prototypes p(l) themselves (the
+paper's Eq. 4 on the stored centres). The draws of a step are seeded by the run's seed, the task and the step, so a
+resumed run draws the same ones.
+
+**What could not be read.** The paper's full text and its official code were not reachable from this machine (the
+stored copies hold the abstract, a review to Eq. 4 and a summary). Read there: the frozen f_I, the text features
+with only the new task's trainable, Eq. 3's per-class averaging, Eq. 4 on λ prototypes p^i_j(l) per earlier class,
+the cluster-derived memory units W_j^k aggregated across tasks, the Gaussian components {π, p, Σ} of the
+distribution-preserved training, no parameter selection at inference. Not read, and chosen here: the form of φ (the
+Tip-Adapter affinity exp(-β(1 - v·w)) with the units as keys), how φ enters the score (summed per class, weight α),
+diagonal covariances, renormalised draws, the default hyperparameters (λ = 4, α = 1, β = 5.5, γ = 1), the AdaptFormer
+text side. No variant of the official code is offered for the same reason.
+
+**Checkpoints.** The memory lives in `model.lada` (`hf_ccl.methods.lada_memory.LADAMemory`) and in the method state;
+it is never written to `model.safetensors`, which stays the frozen base model (plain transformers loads the model
+without LADA). `load_lada_model(task_folder)` (or a Hub id and `revision`) returns the model the run evaluated.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from ..validation import ConfigError
+from .base import ContinualMethod, MethodConfig, TaskContext
+from .lada_memory import ATTRIBUTE, LADAMemory, LADATask, gaussian_components, lada_memory
+from .loading import CheckpointLoader, checkpoint_folder
+from .registry import register_method
+from .state import STATE_JSON, load_method_states
+from .trainable import requires_grad_flags, restore_flags
+
+if TYPE_CHECKING:
+    from ..data.task import TaskStream
+    from ..modeling import ContinualDualEncoder, ContinualDualEncoderOutput
+
+logger = logging.getLogger(__name__)
+NAME = "lada"
+DISTRIBUTIONS = ("gmm", "prototypes")
+
+
+@dataclass
+class LADAConfig(MethodConfig):
+    num_units: int = field(default=4, metadata={"help": "λ: memory units (K-means centres, Gaussian components) per "
+                                                        "class; a class with fewer training images gets one per image."})
+    alpha: float = field(default=1.0, metadata={"help": "α: weight of the label-specific features in a class's score."})
+    beta: float = field(default=5.5, metadata={"help": "β: sharpness of the affinity exp(-β(1 - v·w)) of an image to a "
+                                                       "memory unit."})
+    distill_weight: float = field(default=1.0, metadata={"help": "γ: weight of the distillation of earlier classes "
+                                                                 "(paper Eq. 4); 0 turns it off."})
+    distribution: str = field(default="gmm", metadata={"help": "'gmm': distil on draws from each earlier class's "
+                                                               "Gaussian components (distribution-preserved training); "
+                                                               "'prototypes': on its λ stored centres (Eq. 4)."})
+    samples_per_class: int = field(default=4, metadata={"help": "Draws per earlier class and step with "
+                                                                "distribution 'gmm'."})
+    variance_floor: float = field(default=1e-4, metadata={"help": "Smallest per-dimension variance of a component."})
+    kmeans_iterations: int = field(default=20, metadata={"help": "Lloyd iterations of the per-class K-means."})
+    learn_text: bool = field(default=True, metadata={"help": "Train the new classes' text features (from their "
+                                                             "zero-shot embeddings); false keeps them zero-shot."})
+    max_examples: int | None = field(default=None, metadata={"help": "Training images per task the K-means and the "
+                                                                     "components are fitted on (a seeded subset); "
+                                                                     "None: all."})
+
+    def __post_init__(self) -> None:
+        if self.num_units < 1:
+            raise ConfigError(f"num_units must be >= 1, got {self.num_units}", "num_units")
+        for key in ("alpha", "beta", "distill_weight"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{key} must be a finite number >= 0, got {value}", key)
+        if self.distribution not in DISTRIBUTIONS:
+            raise ConfigError(f"distribution must be one of {list(DISTRIBUTIONS)}, got {self.distribution!r}",
+                              "distribution")
+        if self.samples_per_class < 1:
+            raise ConfigError(f"samples_per_class must be >= 1, got {self.samples_per_class}", "samples_per_class")
+        if not (math.isfinite(self.variance_floor) and self.variance_floor > 0):
+            raise ConfigError(f"variance_floor must be a finite number > 0, got {self.variance_floor}",
+                              "variance_floor")
+        if self.kmeans_iterations < 1:
+            raise ConfigError(f"kmeans_iterations must be >= 1, got {self.kmeans_iterations}", "kmeans_iterations")
+        if self.max_examples is not None and self.max_examples < 1:
+            raise ConfigError(f"max_examples must be >= 1 or None, got {self.max_examples}", "max_examples")
+
+
+@register_method
+class LADA(ContinualMethod[LADAConfig]):
+    """Label-specific memory units after the frozen image tower, text features per class (module docstring)."""
+
+    name = NAME
+    config_class = LADAConfig
+    replaces_contrastive_loss = True
+    roles = {
+        "parameter_efficient": "freezes the model and trains only its own text features and memory units",
+        "similarity_distillation": "distils earlier classes from their stored feature statistics",
+    }
+    conflicts = {
+        "parameter_efficient": "freezes the model but for its own parameters: each would freeze the other's",
+        "training_data": "trains on the task's own rows, its labels being their classes in the task; earlier classes "
+                         "are kept by its distillation, not by their rows",
+    }
+    checkpoint_loader = CheckpointLoader(
+        module=__name__, function="load_lada_model", keeps="its label-specific memory (text features, memory units "
+        "and Gaussian components of every learned class)",
+        plain_model="the frozen base model without the memory (zero-shot scores)")
+    fsdp_refusal = ("its memory lives on the model beside the frozen towers, and the plain model the loop gathers after "
+                    "each task would not carry it")
+    test_options = {"num_units": 2, "samples_per_class": 2}
+
+    def __init__(self, config: LADAConfig | dict[str, Any] | None = None):
+        super().__init__(config)
+        self._memory: LADAMemory | None = None
+        self._state: dict[str, Any] | None = None  # a restored state, loaded at the next task start
+        self._flags: dict[str, bool] = {}
+
+    # ----- checks -------------------------------------------------------------------------------------------
+    def check_stream(self, stream: TaskStream) -> None:
+        kinds = sorted({task.kind_spec.name for task in stream if not task.kind_spec.has_classes})
+        if kinds:
+            raise ValueError(f"lada learns classes (label-specific memory units per class); the stream has tasks of "
+                             f"kind {kinds}, which have none: use a classification stream")
+
+    # ----- task start: the new classes' memory ---------------------------------------------------------------
+    def on_task_start(self, context: TaskContext) -> None:
+        """Attach the memory (first task, or the first after a restore), then add this task's classes: their
+        text features (zero-shot) and memory units and components (K-means of their training images)."""
+        model = context.model
+        memory = lada_memory(model)
+        if memory is None:
+            self._flags = requires_grad_flags(model)
+            memory = LADAMemory(self.config.alpha, self.config.beta, float(model.logit_scale.detach().exp()))
+            memory.to(model.logit_scale.device)
+            setattr(model, ATTRIBUTE, memory)
+        else:
+            self._flags = {k: v for k, v in requires_grad_flags(model).items() if not k.startswith(ATTRIBUTE + ".")}
+        if self._state is not None:
+            self._load_into(memory, self._state)
+            self._state = None
+        self._memory = memory
+        if len(memory.tasks) > context.task_index:
+            raise ValueError(f"{NAME}: the memory holds {len(memory.tasks)} tasks at the start of task "
+                             f"{context.task_index}")
+        _ignore_on_save(model)
+        task = self.new_task(context)
+        memory.add_task(list(context.task.class_names or []), task.to(model.logit_scale.device))
+        _ignore_on_save(model)
+        model.requires_grad_(False)
+        task.memory.requires_grad_(True)
+        task.text.requires_grad_(self.config.learn_text)
+
+    @torch.no_grad()
+    def new_task(self, context: TaskContext) -> LADATask:
+        """This task's `LADATask` from its training images (frozen image tower) and its classes' prompts."""
+        task = context.task
+        names = list(task.class_names or [])
+        features, labels = task_features(context, self.config.max_examples)
+        generator = torch.Generator().manual_seed(int(context.seed) * 1000 + context.task_index)
+        parts: dict[str, list[torch.Tensor]] = {"weights": [], "means": [], "variances": [], "valid": []}
+        for index, name in enumerate(names):
+            rows = features[labels == index]
+            if rows.shape[0] == 0:
+                raise ValueError(f"{NAME}: class {name!r} of task {context.task_index} ({task.name!r}) has no training "
+                                 "image to build its memory from")
+            for key, value in gaussian_components(rows, self.config.num_units, self.config.kmeans_iterations,
+                                                  generator, self.config.variance_floor).items():
+                parts[key].append(value)
+        stats = {key: torch.stack(values) for key, values in parts.items()}
+        text = zero_shot_text(context)
+        memory = F.normalize(stats["means"], dim=-1) * stats["valid"].unsqueeze(-1)
+        return LADATask(text, memory, stats["weights"], stats["means"], stats["variances"], stats["valid"])
+
+    def collator_options(self, context: TaskContext) -> dict[str, Any]:
+        """Each row's class index in its task, as the batch's `class_labels`."""
+        return {"class_labels": row_labels}
+
+    # ----- the loss ---------------------------------------------------------------------------------------------
+    def loss_terms(self, model: ContinualDualEncoder, inputs: dict[str, torch.Tensor],
+                   outputs: ContinualDualEncoderOutput, context: TaskContext) -> dict[str, torch.Tensor]:
+        memory = self._require_memory()
+        if "class_labels" not in inputs:
+            raise ValueError(f"{NAME} needs each row's class (`class_labels`, from its collator option)")
+        current = memory.class_names[-1]
+        seen = memory.seen_names()
+        column = {name: index for index, name in enumerate(seen)}
+        if outputs.image_embeds is None:
+            raise ValueError(f"{NAME} scores the batch's image embeddings; the model's outputs have none")
+        images = outputs.image_embeds.detach()
+        labels = inputs["class_labels"].to(images.device)
+        targets = torch.tensor([column[name] for name in current], device=images.device)[labels]
+        terms = {"current": class_balanced_cross_entropy(memory.learned_scores(images.float(), seen), targets)}
+        earlier = [name for name in seen if name not in set(current)]
+        if earlier and self.config.distill_weight > 0:
+            samples, sample_targets = self.distillation_samples(memory, earlier, context)
+            scores = memory.learned_scores(samples.to(images.device), seen)
+            targets = torch.tensor([column[name] for name in earlier], device=images.device)[sample_targets.to(
+                images.device)]
+            terms["distill"] = self.config.distill_weight * class_balanced_cross_entropy(scores, targets)
+        return terms
+
+    def distillation_samples(self, memory: LADAMemory, names: list[str], context: TaskContext
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Features of earlier classes `names` and their index in `names`: draws from their components
+        (`gmm`, seeded by the run's seed, the task and the step) or their prototypes (`prototypes`)."""
+        where = memory.learned()
+        stats = [memory.task(k) for k, _ in (where[name] for name in names)]
+        rows = [row for _, row in (where[name] for name in names)]
+        weights = torch.stack([task.weights[row] for task, row in zip(stats, rows, strict=True)]).float().cpu()
+        means = torch.stack([task.means[row] for task, row in zip(stats, rows, strict=True)]).float().cpu()
+        valid = torch.stack([task.valid[row] for task, row in zip(stats, rows, strict=True)]).cpu()
+        if self.config.distribution == "prototypes":
+            index = valid.nonzero()
+            return F.normalize(means[index[:, 0], index[:, 1]], dim=-1), index[:, 0]
+        variances = torch.stack([task.variances[row] for task, row in zip(stats, rows, strict=True)]).float().cpu()
+        seed = (int(context.seed) * 1_000_003 + context.task_index) * 1_000_003 + int(context.global_step)
+        generator = torch.Generator().manual_seed(seed % (2**63))
+        draws = self.config.samples_per_class
+        component = torch.multinomial(weights, draws, replacement=True, generator=generator)  # [C, S]
+        classes = torch.arange(len(names)).unsqueeze(1).expand(-1, draws)
+        noise = torch.randn(len(names), draws, means.shape[-1], generator=generator)
+        samples = means[classes, component] + variances[classes, component].sqrt() * noise
+        return F.normalize(samples.reshape(-1, means.shape[-1]), dim=-1), classes.reshape(-1)
+
+    # ----- task end --------------------------------------------------------------------------------------------
+    def after_training(self, context: TaskContext) -> None:
+        """The task's parameters are frozen from now on; the base parameters get their flags back."""
+        memory = self._require_memory()
+        for param in memory.parameters():
+            param.requires_grad_(False)
+        restore_flags(context.model, self._flags)
+        _ignore_on_save(context.model)
+
+    # ----- state -------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Every task's class names and tensors (the task in progress too, mid-task)."""
+        memory = self._memory
+        if memory is None:
+            return dict(self._state) if self._state is not None else {}
+        return {"class_names": [list(names) for names in memory.class_names],
+                "logit_scale": float(memory.logit_scale),
+                "tasks": {str(k): {key: value.detach().clone() for key, value in task.state_dict().items()}
+                          for k, task in enumerate(memory.tasks)}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`: in place into the attached memory (a task resumed from a Trainer checkpoint: the
+        optimizer refers to its parameters), else at the next task start."""
+        if not state:
+            return
+        if self._memory is not None:
+            self._load_into(self._memory, state)
+        else:
+            self._state = dict(state)
+
+    def _load_into(self, memory: LADAMemory, state: dict[str, Any]) -> None:
+        names = [list(names) for names in state["class_names"]]
+        tensors = state["tasks"]
+        if len(names) < len(memory.tasks):
+            raise ValueError(f"{NAME}: a state of {len(names)} tasks cannot be loaded into a memory of "
+                             f"{len(memory.tasks)}")
+        device = memory.logit_scale.device
+        with torch.no_grad():
+            memory.logit_scale.fill_(float(state["logit_scale"]))
+            for k, task_names in enumerate(names):
+                values = tensors[str(k)]
+                if k < len(memory.tasks):
+                    if memory.class_names[k] != task_names:
+                        raise ValueError(f"{NAME}: the state's task {k} has other classes than the memory's")
+                    memory.task(k).load_state_dict(values)
+                else:
+                    classes, units, dim = values["memory"].shape
+                    task = LADATask.empty(classes, units, dim).to(device)
+                    task.load_state_dict(values)
+                    task.requires_grad_(False)
+                    memory.add_task(task_names, task)
+
+    def _require_memory(self) -> LADAMemory:
+        if self._memory is None:
+            raise ValueError(f"{NAME} has no memory: on_task_start attaches it")
+        return self._memory
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pieces (pure functions; the tests check each by hand)
+# ----------------------------------------------------------------------------------------------------------------
+def row_labels(texts: Any, labels: Any) -> list[int]:
+    """`CLIPCollator`'s `class_labels`: each row's `label` (its class's index in its own task)."""
+    if any(label is None or int(label) < 0 for label in labels):
+        raise ValueError(f"{NAME} trains classification rows: every row needs its class `label`")
+    return [int(label) for label in labels]
+
+
+def class_balanced_cross_entropy(scores: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Σ_j mean_{rows of class j} CE(scores[row], j) over the classes present (paper Eq. 3's per-class average)."""
+    losses = F.cross_entropy(scores.float(), targets, reduction="none")
+    classes, inverse = torch.unique(targets, return_inverse=True)
+    sums = torch.zeros(len(classes), device=losses.device).index_add(0, inverse, losses)
+    counts = torch.zeros(len(classes), device=losses.device).index_add(0, inverse, torch.ones_like(losses))
+    return (sums / counts).sum()
+
+
+@torch.no_grad()
+def task_features(context: TaskContext, max_examples: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalised image embeddings (frozen image tower) of the task's training images and their labels: all of them,
+    or a seeded subset of `max_examples` (CPU, float32)."""
+    from ..data.streaming import is_streaming
+    from ..data.task import CollatorSetup
+
+    model, dataset = context.model, context.task.train
+    if is_streaming(dataset):
+        raise ValueError(f"{NAME} fits its memory on the task's training images before the task trains: give it a "
+                         "map-style dataset (not a stream)")
+    _, collator = context.task.kind_spec.collators(context.task, CollatorSetup(
+        context.image_processor, context.tokenizer, context.max_length or model.max_text_positions, context.seed,
+        padding=model.text_padding))
+    indices = list(range(len(dataset)))
+    if max_examples is not None and len(indices) > max_examples:
+        generator = torch.Generator().manual_seed(int(context.seed))
+        indices = sorted(torch.randperm(len(indices), generator=generator)[:max_examples].tolist())
+    device = model.logit_scale.device
+    batch_size = max(int(context.eval_batch_size or 64), 1)
+    parts, labels = [], []
+    was_training = model.training
+    model.eval()
+    try:
+        for start in range(0, len(indices), batch_size):
+            rows = [dataset[int(i)] for i in indices[start:start + batch_size]]
+            parts.append(model.embed_images(**model.image_inputs(collator(rows), device=device)).float().cpu())
+            labels.extend(row_labels(None, [row.get("label") for row in rows]))
+    finally:
+        model.train(was_training)
+    return torch.cat(parts), torch.tensor(labels, dtype=torch.long)
+
+
+@torch.no_grad()
+def zero_shot_text(context: TaskContext) -> torch.Tensor:
+    """The task's class embeddings (normalised means of their normalised training-prompt embeddings), CPU float32."""
+    from ..class_prompts import ClassPrompts
+
+    model = context.model
+    prompts = ClassPrompts.build([context.task], context.tokenizer, scope="task",
+                                 max_length=context.max_length or model.max_text_positions,
+                                 padding=model.text_padding)
+    was_training = model.training
+    model.eval()
+    try:
+        return prompts.class_embeddings(model).float().cpu()
+    finally:
+        model.train(was_training)
+
+
+def _ignore_on_save(model: torch.nn.Module) -> None:
+    """Keep every `lada.` key out of `save_pretrained` (transformers' `_keys_to_ignore_on_save`)."""
+    ignored = {key for key in (getattr(model, "_keys_to_ignore_on_save", None) or ())
+               if not key.startswith(ATTRIBUTE + ".")}
+    memory = lada_memory(model)
+    if memory is not None:
+        ignored |= {f"{ATTRIBUTE}.{key}" for key in memory.state_dict()}
+    setattr(model, "_keys_to_ignore_on_save", ignored)  # noqa: B010
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Inference from a checkpoint
+# ----------------------------------------------------------------------------------------------------------------
+def load_lada_model(name_or_path: str | Path, revision: str | None = None) -> ContinualDualEncoder:
+    """A task checkpoint's model with its LADA memory attached (from the method state beside it), in eval mode: what
+    the run evaluated. `name_or_path`: a task folder (`output_dir/task-<k>/`) or a Hub repository id with its
+    `revision` (`task-<k>`). The checkpoint's weights alone are the frozen base model."""
+    from ..families import load_continual_model
+
+    folder = checkpoint_folder(name_or_path, revision)
+    states = json.loads((folder / STATE_JSON).read_text(encoding="utf-8"))
+    if NAME not in states:
+        raise ValueError(f"{folder / STATE_JSON} holds no '{NAME}' state (methods: {sorted(states)})")
+    method = LADA(states[NAME]["config"])
+    load_method_states([method], folder)
+    model = load_continual_model(str(folder))
+    memory = LADAMemory(method.config.alpha, method.config.beta, 1.0).to(model.logit_scale.device)
+    method._load_into(memory, method._state or {"class_names": [], "logit_scale": 1.0, "tasks": {}})
+    memory.requires_grad_(False)
+    setattr(model, ATTRIBUTE, memory)
+    _ignore_on_save(model)
+    return model.eval()
