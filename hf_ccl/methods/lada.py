@@ -147,6 +147,7 @@ class LADA(ContinualMethod[LADAConfig]):
         self._memory: LADAMemory | None = None
         self._state: dict[str, Any] | None = None  # a restored state, loaded at the next task start
         self._flags: dict[str, bool] = {}
+        self._step: dict[str, Any] = {}  # what the task's steps read (`prepare`)
 
     # ----- checks -------------------------------------------------------------------------------------------
     def check_stream(self, stream: TaskStream) -> None:
@@ -182,6 +183,7 @@ class LADA(ContinualMethod[LADAConfig]):
         model.requires_grad_(False)
         task.memory.requires_grad_(True)
         task.text.requires_grad_(self.config.learn_text)
+        self.prepare(memory)
 
     @torch.no_grad()
     def new_task(self, context: TaskContext) -> LADATask:
@@ -209,51 +211,64 @@ class LADA(ContinualMethod[LADAConfig]):
         return {"class_labels": row_labels}
 
     # ----- the loss ---------------------------------------------------------------------------------------------
+    def prepare(self, memory: LADAMemory) -> None:
+        """What every step of the task reads, on the memory's device, once per task (no host copy per step): the
+        seen classes (the loss's columns), the current classes' columns, the earlier classes' components."""
+        device = memory.logit_scale.device
+        seen = memory.seen_names()
+        column = {name: index for index, name in enumerate(seen)}
+        current = memory.class_names[-1]
+        earlier = [name for name in seen if name not in set(current)]
+        where = memory.learned()
+        tasks = [memory.task(k) for k, _ in (where[name] for name in earlier)]
+        rows = [row for _, row in (where[name] for name in earlier)]
+        stats = {key: torch.stack([getattr(task, key)[row] for task, row in zip(tasks, rows, strict=True)])
+                 for key in ("weights", "means", "variances", "valid")} if earlier else {}
+        self._step = {"seen": seen,
+                      "current": torch.tensor([column[name] for name in current], dtype=torch.long).to(device),
+                      "earlier": torch.tensor([column[name] for name in earlier], dtype=torch.long).to(device),
+                      **{key: value.detach().clone().to(device) for key, value in stats.items()}}
+        if earlier and self.config.distribution == "prototypes":
+            index = stats["valid"].nonzero()
+            self._step["prototypes"] = F.normalize(stats["means"][index[:, 0], index[:, 1]].float(), dim=-1).to(device)
+            self._step["prototype_columns"] = self._step["earlier"][index[:, 0].to(device)]
+
     def loss_terms(self, model: ContinualDualEncoder, inputs: dict[str, torch.Tensor],
                    outputs: ContinualDualEncoderOutput, context: TaskContext) -> dict[str, torch.Tensor]:
+        """`current`: paper Eq. 3 on the batch; `distill`: Eq. 4 on the earlier classes (module docstring)."""
         memory = self._require_memory()
         if "class_labels" not in inputs:
             raise ValueError(f"{NAME} needs each row's class (`class_labels`, from its collator option)")
-        current = memory.class_names[-1]
-        seen = memory.seen_names()
-        column = {name: index for index, name in enumerate(seen)}
         if outputs.image_embeds is None:
             raise ValueError(f"{NAME} scores the batch's image embeddings; the model's outputs have none")
-        images = outputs.image_embeds.detach()
-        labels = inputs["class_labels"].to(images.device)
-        targets = torch.tensor([column[name] for name in current], device=images.device)[labels]
-        terms = {"current": class_balanced_cross_entropy(memory.learned_scores(images.float(), seen), targets)}
-        earlier = [name for name in seen if name not in set(current)]
-        if earlier and self.config.distill_weight > 0:
-            samples, sample_targets = self.distillation_samples(memory, earlier, context)
-            scores = memory.learned_scores(samples.to(images.device), seen)
-            targets = torch.tensor([column[name] for name in earlier], device=images.device)[sample_targets.to(
-                images.device)]
-            terms["distill"] = self.config.distill_weight * class_balanced_cross_entropy(scores, targets)
+        step, seen = self._step, self._step["seen"]
+        images = outputs.image_embeds.detach().float()
+        targets = step["current"][inputs["class_labels"]]
+        terms = {"current": class_balanced_cross_entropy(memory.learned_scores(images, seen), targets, len(seen))}
+        if len(step["earlier"]) and self.config.distill_weight > 0:
+            samples, columns = self.distillation_samples(context)
+            scores = memory.learned_scores(samples, seen)
+            terms["distill"] = self.config.distill_weight * class_balanced_cross_entropy(scores, columns, len(seen))
         return terms
 
-    def distillation_samples(self, memory: LADAMemory, names: list[str], context: TaskContext
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Features of earlier classes `names` and their index in `names`: draws from their components
-        (`gmm`, seeded by the run's seed, the task and the step) or their prototypes (`prototypes`)."""
-        where = memory.learned()
-        stats = [memory.task(k) for k, _ in (where[name] for name in names)]
-        rows = [row for _, row in (where[name] for name in names)]
-        weights = torch.stack([task.weights[row] for task, row in zip(stats, rows, strict=True)]).float().cpu()
-        means = torch.stack([task.means[row] for task, row in zip(stats, rows, strict=True)]).float().cpu()
-        valid = torch.stack([task.valid[row] for task, row in zip(stats, rows, strict=True)]).cpu()
+    def distillation_samples(self, context: TaskContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Features of the earlier classes and their loss columns: their prototypes (`prototypes`) or
+        `samples_per_class` draws each from their components (`gmm`), seeded by the run's seed, the task and the
+        step (a resumed run draws the same)."""
+        step = self._step
         if self.config.distribution == "prototypes":
-            index = valid.nonzero()
-            return F.normalize(means[index[:, 0], index[:, 1]], dim=-1), index[:, 0]
-        variances = torch.stack([task.variances[row] for task, row in zip(stats, rows, strict=True)]).float().cpu()
+            return step["prototypes"], step["prototype_columns"]
+        weights, means, variances = step["weights"], step["means"], step["variances"]
+        classes, draws = means.shape[0], self.config.samples_per_class
         seed = (int(context.seed) * 1_000_003 + context.task_index) * 1_000_003 + int(context.global_step)
-        generator = torch.Generator().manual_seed(seed % (2**63))
-        draws = self.config.samples_per_class
-        component = torch.multinomial(weights, draws, replacement=True, generator=generator)  # [C, S]
-        classes = torch.arange(len(names)).unsqueeze(1).expand(-1, draws)
-        noise = torch.randn(len(names), draws, means.shape[-1], generator=generator)
-        samples = means[classes, component] + variances[classes, component].sqrt() * noise
-        return F.normalize(samples.reshape(-1, means.shape[-1]), dim=-1), classes.reshape(-1)
+        generator = torch.Generator(device=means.device)
+        generator.manual_seed(seed % (2**63))
+        component = torch.multinomial(weights.float(), draws, replacement=True, generator=generator)  # [C, S]
+        rows = torch.arange(classes, device=means.device).unsqueeze(1).expand(-1, draws)
+        noise = torch.randn(classes, draws, means.shape[-1], generator=generator, device=means.device)
+        samples = means[rows, component].float() + variances[rows, component].float().sqrt() * noise
+        columns = step["earlier"].unsqueeze(1).expand(-1, draws)
+        return F.normalize(samples.reshape(-1, means.shape[-1]), dim=-1), columns.reshape(-1)
 
     # ----- task end --------------------------------------------------------------------------------------------
     def after_training(self, context: TaskContext) -> None:
@@ -282,6 +297,8 @@ class LADA(ContinualMethod[LADAConfig]):
             return
         if self._memory is not None:
             self._load_into(self._memory, state)
+            if self._step:
+                self.prepare(self._memory)
         else:
             self._state = dict(state)
 
@@ -323,13 +340,12 @@ def row_labels(texts: Any, labels: Any) -> list[int]:
     return [int(label) for label in labels]
 
 
-def class_balanced_cross_entropy(scores: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Σ_j mean_{rows of class j} CE(scores[row], j) over the classes present (paper Eq. 3's per-class average)."""
+def class_balanced_cross_entropy(scores: torch.Tensor, targets: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """Σ_j mean_{rows of class j} CE(scores[row], j) over the classes present (paper Eq. 3's per-class average):
+    each row's loss divided by its class's row count."""
     losses = F.cross_entropy(scores.float(), targets, reduction="none")
-    classes, inverse = torch.unique(targets, return_inverse=True)
-    sums = torch.zeros(len(classes), device=losses.device).index_add(0, inverse, losses)
-    counts = torch.zeros(len(classes), device=losses.device).index_add(0, inverse, torch.ones_like(losses))
-    return (sums / counts).sum()
+    counts = torch.zeros(num_classes, device=losses.device).index_add(0, targets, torch.ones_like(losses))
+    return (losses / counts[targets]).sum()
 
 
 @torch.no_grad()

@@ -117,6 +117,7 @@ class LADAMemory(nn.Module):
         self.alpha, self.beta = float(alpha), float(beta)
         self.tasks = nn.ModuleList()
         self.class_names: list[list[str]] = []
+        self._index: dict[tuple[str, ...], torch.Tensor] = {}  # rows of a list of names, on the memory's device
         self.register_buffer("logit_scale", torch.tensor(float(logit_scale)))
 
     # ----- the learned classes ----------------------------------------------------------------------------------
@@ -125,6 +126,7 @@ class LADAMemory(nn.Module):
             raise ValueError(f"{len(names)} class names for {task.text.shape[0]} text features")
         self.tasks.append(task)
         self.class_names.append(list(names))
+        self._index.clear()
 
     def task(self, index: int) -> LADATask:
         """Task `index`'s parameters and statistics."""
@@ -140,14 +142,24 @@ class LADAMemory(nn.Module):
 
     def gather(self, names: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(text [C, D], memory [C, λ, D], valid [C, λ]) of learned classes `names`, with gradients to the trainable
-        ones (the current task's)."""
-        where = self.learned()
-        missing = [name for name in names if name not in where]
-        if missing:
-            raise KeyError(f"LADA has not learned the classes {missing}")
-        text = torch.stack([self.task(k).text[row] for k, row in (where[name] for name in names)])
-        memory = torch.stack([self.task(k).memory[row] for k, row in (where[name] for name in names)])
-        valid = torch.stack([self.task(k).valid[row] for k, row in (where[name] for name in names)])
+        ones (the current task's). The rows are picked by an index kept per list of names (no host copy per step)."""
+        key = tuple(names)
+        index = self._index.get(key)
+        if index is None:
+            where = self.learned()
+            missing = [name for name in names if name not in where]
+            if missing:
+                raise KeyError(f"LADA has not learned the classes {missing}")
+            offsets = [0]
+            for names_of_task in self.class_names:
+                offsets.append(offsets[-1] + len(names_of_task))
+            index = torch.tensor([offsets[k] + row for k, row in (where[name] for name in names)],
+                                 dtype=torch.long).to(self.logit_scale.device)
+            self._index[key] = index
+        tasks = [self.task(k) for k in range(len(self.tasks))]
+        text = torch.cat([task.text for task in tasks])[index]
+        memory = torch.cat([task.memory for task in tasks])[index]
+        valid = torch.cat([task.valid for task in tasks])[index]
         return text, memory, valid
 
     # ----- the scores -------------------------------------------------------------------------------------------
