@@ -243,3 +243,35 @@ def test_the_memory_is_not_in_the_saved_weights_and_loads_where_it_is_needed(tmp
     assert not any(key.startswith("lada.") for key in load_file(str(tmp_path / "model.safetensors")))
     with pytest.raises(FileNotFoundError):
         load_lada_model(Path(tmp_path))
+
+
+def test_resuming_mid_task_ends_with_the_uninterrupted_memory(tmp_path):
+    """A task resumed from a Trainer checkpoint (its model.safetensors holds no memory; the method state beside it
+    does) ends with exactly the text features, units and components of an uninterrupted run, the draws included."""
+    import shutil
+
+    from hf_ccl.continual import ContinualArguments, ContinualLearner
+    from hf_ccl.data import load_image_processor, load_tokenizer
+    from hf_ccl.data.task import TaskStream
+
+    stream = build_stream("digits", max_train_per_task=32, max_eval_per_task=8)
+
+    def fit(resume):
+        args = ContinualArguments(
+            output_dir=str(tmp_path), progress=False, resume_from_checkpoint=resume, keep_trainer_checkpoints=True,
+            evaluation={"batch_size": 64, "initial": False},
+            training={"max_steps": 4, "per_device_train_batch_size": 16, "learning_rate": 5e-2,
+                      "save_strategy": "steps", "save_steps": 2})
+        method = LADA({"num_units": 2, "samples_per_class": 2})
+        ContinualLearner(tiny_model("clip"), TaskStream(stream.name, stream.tasks[:2]), [method],
+                         load_image_processor(32), load_tokenizer(), args).fit()
+        return method.state_dict()
+
+    uninterrupted = fit(None)
+    shutil.rmtree(tmp_path / "task-1")  # stopped in task 1, after its Trainer checkpoint at step 2
+    shutil.rmtree(tmp_path / "trainer" / "task-1" / "checkpoint-4")
+    resumed = fit(True)
+    assert resumed["class_names"] == uninterrupted["class_names"] == [["zero", "one"], ["two", "three"]]
+    for task, tensors in uninterrupted["tasks"].items():
+        for key, value in tensors.items():
+            torch.testing.assert_close(resumed["tasks"][task][key], value, rtol=0, atol=0, msg=f"{task}/{key}")
