@@ -147,7 +147,7 @@ def test_bad_values_are_refused_naming_the_option(option, value):
 # ----- the run as a user makes it: the CLI, loaded back as the card says -------------------------------------------
 CLI_RUN = ["train", "--config", "digits", "methods=[lada]", "model.config.hidden_size=32",
            "model.config.num_layers=1", "model.config.projection_dim=32", "stream_args.max_train_per_task=32",
-           "stream_args.max_eval_per_task=16", "training.max_steps=3", "training.per_device_train_batch_size=16",
+           "stream_args.max_eval_per_task=16", "training.max_steps=2", "training.per_device_train_batch_size=16",
            "training.learning_rate=0.05", "training.warmup_steps=0", "class_scope=seen",
            "method_args.lada={num_units: 2, samples_per_class: 2}"]
 
@@ -245,6 +245,7 @@ def test_the_memory_is_not_in_the_saved_weights_and_loads_where_it_is_needed(tmp
         load_lada_model(Path(tmp_path))
 
 
+@pytest.mark.slow  # 10 s; resuming after a task is the every-method matrix's (tests/test_method_registry.py)
 def test_resuming_mid_task_ends_with_the_uninterrupted_memory(tmp_path):
     """A task resumed from a Trainer checkpoint (its model.safetensors holds no memory; the method state beside it
     does) ends with exactly the text features, units and components of an uninterrupted run, the draws included."""
