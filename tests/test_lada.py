@@ -276,3 +276,14 @@ def test_resuming_mid_task_ends_with_the_uninterrupted_memory(tmp_path):
     for task, tensors in uninterrupted["tasks"].items():
         for key, value in tensors.items():
             torch.testing.assert_close(resumed["tasks"][task][key], value, rtol=0, atol=0, msg=f"{task}/{key}")
+
+
+@pytest.mark.parametrize("other", ["lora", "er"])
+def test_combinations_that_make_no_sense_are_refused_with_the_reason(other):
+    """Another parameter-efficient method would freeze LADA's parameters (and LADA its); replay's rows of earlier
+    tasks are not the current task's classes (LADA keeps earlier classes by its distillation)."""
+    from hf_ccl.methods import build_methods
+    from hf_ccl.validation import ConfigError
+
+    with pytest.raises(ConfigError, match=f"'lada' and '{other}' cannot be combined"):
+        build_methods(["lada", other])

@@ -128,9 +128,11 @@ class LADA(ContinualMethod[LADAConfig]):
     roles = {
         "parameter_efficient": "freezes the model and trains only its own text features and memory units",
         "similarity_distillation": "distils earlier classes from their stored feature statistics",
+        "class_scorer": "ranks classes at evaluation with its own scores (an EvaluationScorer on the model)",
     }
     conflicts = {
         "parameter_efficient": "freezes the model but for its own parameters: each would freeze the other's",
+        "class_scorer": "the evaluator ranks classes with one scorer of the model: two would each ignore the other",
         "training_data": "trains on the task's own rows, its labels being their classes in the task; earlier classes "
                          "are kept by its distillation, not by their rows",
     }
