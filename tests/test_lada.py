@@ -245,8 +245,9 @@ def test_the_memory_is_not_in_the_saved_weights_and_loads_where_it_is_needed(tmp
         load_lada_model(Path(tmp_path))
 
 
-@pytest.mark.slow  # 10 s; resuming after a task is the every-method matrix's (tests/test_method_registry.py)
-def test_resuming_mid_task_ends_with_the_uninterrupted_memory(tmp_path):
+@pytest.mark.slow  # 10 s each; resuming after a task is the every-method matrix's (tests/test_method_registry.py)
+@pytest.mark.parametrize("text_tuning", ["features", "adaptformer"])
+def test_resuming_mid_task_ends_with_the_uninterrupted_memory(tmp_path, text_tuning):
     """A task resumed from a Trainer checkpoint (its model.safetensors holds no memory; the method state beside it
     does) ends with exactly the text features, units and components of an uninterrupted run, the draws included."""
     import shutil
@@ -263,7 +264,7 @@ def test_resuming_mid_task_ends_with_the_uninterrupted_memory(tmp_path):
             evaluation={"batch_size": 64, "initial": False},
             training={"max_steps": 4, "per_device_train_batch_size": 16, "learning_rate": 5e-2,
                       "save_strategy": "steps", "save_steps": 2})
-        method = LADA({"num_units": 2, "samples_per_class": 2})
+        method = LADA({"num_units": 2, "samples_per_class": 2, "text_tuning": text_tuning})
         ContinualLearner(tiny_model("clip"), TaskStream(stream.name, stream.tasks[:2]), [method],
                          load_image_processor(32), load_tokenizer(), args).fit()
         return method.state_dict()
@@ -287,3 +288,56 @@ def test_combinations_that_make_no_sense_are_refused_with_the_reason(other):
 
     with pytest.raises(ConfigError, match=f"'lada' and '{other}' cannot be combined"):
         build_methods(["lada", other])
+
+
+def test_the_adaptformer_is_parallel_to_each_text_mlp_and_leaves_no_trace_when_removed():
+    """With it installed, a text layer computes x + MLP(LN_2(x)) + s up(ReLU(down(x))) (x: the residual stream after
+    attention); it starts at zero (the zero-shot features); removed, the tower is exactly the plain one."""
+    from hf_ccl.methods.lada_text import TextAdaptFormer
+
+    model = tiny_model("clip")
+    ids = torch.tensor([[49406, 320, 1929, 49407]])
+    plain = model.embed_texts(ids)
+    adapter = TextAdaptFormer(model, 4, 0.1, torch.Generator().manual_seed(0))
+    adapter.install()
+    assert torch.equal(model.embed_texts(ids), plain)  # up starts at zero
+    torch.nn.init.normal_(adapter.adapters[0].up_proj.weight, generator=torch.Generator().manual_seed(1))
+    layer = model.text_model.encoder.layers[0]
+    x = torch.randn(1, 4, layer.layer_norm2.normalized_shape[0], generator=torch.Generator().manual_seed(2))
+    first = adapter.adapters[0]
+    # `forward` bypasses the hooks: the plain MLP
+    expected = layer.mlp.forward(layer.layer_norm2.forward(x)) + 0.1 * first.up_proj(torch.relu(first.down_proj(x)))
+    assert torch.allclose(layer.mlp(layer.layer_norm2(x)), expected, atol=1e-6)  # hooked, as the layer runs them
+    assert not torch.equal(model.embed_texts(ids), plain)
+    adapter.remove()
+    assert torch.equal(model.embed_texts(ids), plain)
+
+
+def test_the_adaptformer_text_side_trains_the_tasks_text_and_is_refused_where_no_mlp_is(tmp_path):
+    """`text_tuning: adaptformer`: a two-task run stores each task's text features as its AdaptFormer made them
+    (no longer the zero-shot ones), keeps the base model, and leaves no adapter on the model or in the state;
+    AltCLIP's post-norm text tower is refused naming the option."""
+    from hf_ccl.continual import ContinualArguments, ContinualLearner
+    from hf_ccl.data import load_image_processor, load_tokenizer
+    from hf_ccl.data.task import TaskStream
+    from hf_ccl.methods.lada import zero_shot_text
+    from hf_ccl.validation import ConfigError
+
+    with pytest.raises(ConfigError, match="text_tuning=adaptformer.*use text_tuning: features"):
+        LADA({"text_tuning": "adaptformer"}).check_model(tiny_model("altclip"))
+    stream = build_stream("digits", max_train_per_task=32, max_eval_per_task=8)
+    model, start = tiny_model("clip"), tiny_model("clip").state_dict()
+    method = LADA({"num_units": 2, "samples_per_class": 2, "text_tuning": "adaptformer"})
+    args = ContinualArguments(output_dir=str(tmp_path), progress=False, evaluation={"batch_size": 64, "initial": False},
+                              training={"max_steps": 3, "per_device_train_batch_size": 16, "learning_rate": 5e-2})
+    learner = ContinualLearner(model, TaskStream(stream.name, stream.tasks[:2]), [method], load_image_processor(32),
+                               load_tokenizer(), args)
+    learner.fit()
+    assert not hasattr(learner.model, "lada_text") and "text_adapter" not in method.state_dict()
+    for key, value in learner.model.state_dict().items():
+        if not key.startswith("lada."):
+            assert torch.equal(value, start[key]), key
+    context = SimpleNamespace(model=learner.model, task=stream.tasks[1], tokenizer=load_tokenizer(), max_length=None)
+    zero_shot = zero_shot_text(context)
+    trained = method._memory.task(1).text.detach()
+    assert trained.shape == zero_shot.shape and not torch.allclose(trained, zero_shot, atol=1e-4)

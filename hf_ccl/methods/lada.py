@@ -6,10 +6,11 @@ among every class seen so far (and unseen ones) with no task identity and no par
 f_I is frozen and LADA sits after it, so no gradient reaches CLIP (`hf_ccl.methods.lada_memory`).
 
 **Text side** (the paper's preliminary framework, Eq. 3-4). Each class c^i_j has a text feature t^i_j; learning task
-k updates only t^k_j (those of earlier tasks are frozen). Here t^k_j is initialised at the class's zero-shot embedding
-(the normalised mean of its training-template prompts) and trained directly; the paper produces it with an
-AdaptFormer on the text tower (its Appendix B), which is not implemented here (`learn_text: false` keeps the
-zero-shot embedding).
+k updates only t^k_j (those of earlier tasks are frozen). `text_tuning: adaptformer` builds them as the paper does
+(its Appendix B): a fresh AdaptFormer on the text tower for each task (`hf_ccl.methods.lada_text`), t^k_j the class's
+training-template prompts encoded through it (normalised mean), stored as frozen vectors when the task ends.
+`features` (the default: it runs on every family, AltCLIP's and Chinese-CLIP's post-norm text towers included)
+trains the vectors t^k_j themselves from the classes' zero-shot embeddings; `none` keeps them zero-shot.
 
 **Label-specific memory.** Each class c holds λ = `num_units` memory units W_c (initialised at the K-means centres of
 its training images' normalised features v) and its label-specific features φ_c(v) = [exp(-β(1 - v·w_c(l)))]_l;
@@ -38,8 +39,9 @@ with only the new task's trainable, Eq. 3's per-class averaging, Eq. 4 on λ pro
 the cluster-derived memory units W_j^k aggregated across tasks, the Gaussian components {π, p, Σ} of the
 distribution-preserved training, no parameter selection at inference. Not read, and chosen here: the form of φ (the
 Tip-Adapter affinity exp(-β(1 - v·w)) with the units as keys), how φ enters the score (summed per class, weight α),
-diagonal covariances, renormalised draws, the default hyperparameters (λ = 4, α = 1, β = 5.5, γ = 1), the AdaptFormer
-text side. No variant of the official code is offered for the same reason.
+diagonal covariances, renormalised draws, the default hyperparameters (λ = 4, α = 1, β = 5.5, γ = 1, AdaptFormer
+bottleneck 64 and scale 0.1, its defaults), whether the final method keeps the AdaptFormer text side (read: the
+preliminary framework trains it; the summary says no gradient reaches the *image* encoder). No variant of the official code is offered for the same reason.
 
 **Checkpoints.** The memory lives in `model.lada` (`hf_ccl.methods.lada_memory.LADAMemory`) and in the method state;
 it is never written to `model.safetensors`, which stays the frozen base model (plain transformers loads the model
@@ -61,6 +63,8 @@ import torch.nn.functional as F
 from ..validation import ConfigError
 from .base import ContinualMethod, MethodConfig, TaskContext
 from .lada_memory import ATTRIBUTE, LADAMemory, LADATask, gaussian_components, lada_memory
+from .lada_text import ATTRIBUTE as TEXT_ATTRIBUTE
+from .lada_text import TextAdaptFormer
 from .loading import CheckpointLoader, checkpoint_folder
 from .registry import register_method
 from .state import STATE_JSON, load_method_states
@@ -73,6 +77,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 NAME = "lada"
 DISTRIBUTIONS = ("gmm", "prototypes")
+TEXT_TUNINGS = ("features", "adaptformer", "none")
 
 
 @dataclass
@@ -91,8 +96,14 @@ class LADAConfig(MethodConfig):
                                                                 "distribution 'gmm'."})
     variance_floor: float = field(default=1e-4, metadata={"help": "Smallest per-dimension variance of a component."})
     kmeans_iterations: int = field(default=20, metadata={"help": "Lloyd iterations of the per-class K-means."})
-    learn_text: bool = field(default=True, metadata={"help": "Train the new classes' text features (from their "
-                                                             "zero-shot embeddings); false keeps them zero-shot."})
+    text_tuning: str = field(default="features", metadata={"help": "How the new classes' text features train: "
+                                                                   "'features' (the vectors themselves, from their "
+                                                                   "zero-shot embeddings), 'adaptformer' (the paper's "
+                                                                   "Appendix B: a fresh AdaptFormer on the text tower "
+                                                                   "per task) or 'none' (kept zero-shot)."})
+    text_bottleneck: int = field(default=64, metadata={"help": "Bottleneck of the AdaptFormer ('adaptformer')."})
+    text_adapter_scale: float = field(default=0.1, metadata={"help": "Scale s of the AdaptFormer's output "
+                                                                     "('adaptformer')."})
     max_examples: int | None = field(default=None, metadata={"help": "Training images per task the K-means and the "
                                                                      "components are fitted on (a seeded subset); "
                                                                      "None: all."})
@@ -114,6 +125,13 @@ class LADAConfig(MethodConfig):
                               "variance_floor")
         if self.kmeans_iterations < 1:
             raise ConfigError(f"kmeans_iterations must be >= 1, got {self.kmeans_iterations}", "kmeans_iterations")
+        if self.text_tuning not in TEXT_TUNINGS:
+            raise ConfigError(f"text_tuning must be one of {list(TEXT_TUNINGS)}, got {self.text_tuning!r}",
+                              "text_tuning")
+        if self.text_bottleneck < 1:
+            raise ConfigError(f"text_bottleneck must be >= 1, got {self.text_bottleneck}", "text_bottleneck")
+        if not math.isfinite(self.text_adapter_scale):
+            raise ConfigError(f"text_adapter_scale must be finite, got {self.text_adapter_scale}", "text_adapter_scale")
         if self.max_examples is not None and self.max_examples < 1:
             raise ConfigError(f"max_examples must be >= 1 or None, got {self.max_examples}", "max_examples")
 
@@ -150,6 +168,8 @@ class LADA(ContinualMethod[LADAConfig]):
         self._state: dict[str, Any] | None = None  # a restored state, loaded at the next task start
         self._flags: dict[str, bool] = {}
         self._step: dict[str, Any] = {}  # what the task's steps read (`prepare`)
+        self._adapter: TextAdaptFormer | None = None  # the task's AdaptFormer while it trains ('adaptformer')
+        self._prompts: Any = None  # the task's class prompts (`ClassPrompts`) the adapter encodes every step
 
     # ----- checks -------------------------------------------------------------------------------------------
     def check_stream(self, stream: TaskStream) -> None:
@@ -158,6 +178,17 @@ class LADA(ContinualMethod[LADAConfig]):
             raise ValueError(f"lada learns classes (label-specific memory units per class); the stream has tasks of "
                              f"kind {kinds}, which have none: use a classification stream")
 
+    def check_model(self, model: torch.nn.Module) -> None:
+        """`text_tuning: adaptformer` needs CLIP-style pre-norm text layers (refused on AltCLIP, Chinese-CLIP)."""
+        if self.config.text_tuning == "adaptformer":
+            from .moe_adapters import check_layers
+
+            try:
+                check_layers(model, ["text"])
+            except ValueError as error:
+                raise ConfigError(f"method_args.lada.text_tuning=adaptformer: {error}; use text_tuning: features",
+                                  "method_args.lada.text_tuning") from None
+
     # ----- task start: the new classes' memory ---------------------------------------------------------------
     def on_task_start(self, context: TaskContext) -> None:
         """Attach the memory (first task, or the first after a restore), then add this task's classes: their
@@ -165,12 +196,14 @@ class LADA(ContinualMethod[LADAConfig]):
         model = context.model
         memory = lada_memory(model)
         if memory is None:
+            self.check_model(model)
             self._flags = requires_grad_flags(model)
             memory = LADAMemory(self.config.alpha, self.config.beta, float(model.logit_scale.detach().exp()))
             memory.to(model.logit_scale.device)
             setattr(model, ATTRIBUTE, memory)
         else:
-            self._flags = {k: v for k, v in requires_grad_flags(model).items() if not k.startswith(ATTRIBUTE + ".")}
+            self._flags = {k: v for k, v in requires_grad_flags(model).items()
+                           if not k.startswith((ATTRIBUTE + ".", TEXT_ATTRIBUTE + "."))}
         if self._state is not None:
             self._load_into(memory, self._state)
             self._state = None
@@ -184,7 +217,9 @@ class LADA(ContinualMethod[LADAConfig]):
         _ignore_on_save(model)
         model.requires_grad_(False)
         task.memory.requires_grad_(True)
-        task.text.requires_grad_(self.config.learn_text)
+        task.text.requires_grad_(self.config.text_tuning == "features")
+        if self.config.text_tuning == "adaptformer":
+            self.install_text_adapter(context)
         self.prepare(memory)
 
     @torch.no_grad()
@@ -207,6 +242,23 @@ class LADA(ContinualMethod[LADAConfig]):
         text = zero_shot_text(context)
         memory = F.normalize(stats["means"], dim=-1) * stats["valid"].unsqueeze(-1)
         return LADATask(text, memory, stats["weights"], stats["means"], stats["variances"], stats["valid"])
+
+    def install_text_adapter(self, context: TaskContext) -> None:
+        """A fresh AdaptFormer on the text tower for this task (seeded), and the task's class prompts it encodes."""
+        from ..class_prompts import ClassPrompts
+
+        model = context.model
+        generator = torch.Generator().manual_seed(int(context.seed) * 1000 + context.task_index)
+        adapter = TextAdaptFormer(model, self.config.text_bottleneck, self.config.text_adapter_scale, generator)
+        adapter.to(device=model.logit_scale.device, dtype=model.logit_scale.dtype)
+        adapter.install()
+        setattr(model, TEXT_ATTRIBUTE, adapter)
+        adapter.requires_grad_(True)
+        self._adapter = adapter
+        self._prompts = ClassPrompts.build([context.task], context.tokenizer, scope="task",
+                                           max_length=context.max_length or model.max_text_positions,
+                                           padding=model.text_padding)
+        _ignore_on_save(model)
 
     def collator_options(self, context: TaskContext) -> dict[str, Any]:
         """Each row's class index in its task, as the batch's `class_labels`."""
@@ -246,10 +298,14 @@ class LADA(ContinualMethod[LADAConfig]):
         step, seen = self._step, self._step["seen"]
         images = outputs.image_embeds.detach().float()
         targets = step["current"][inputs["class_labels"]]
-        terms = {"current": class_balanced_cross_entropy(memory.learned_scores(images, seen), targets, len(seen))}
+        current = None  # with the AdaptFormer: the current classes' text features, encoded through it
+        if self._adapter is not None:
+            current = (step["current"], self._prompts.class_embeddings(model).float())
+        terms = {"current": class_balanced_cross_entropy(memory.learned_scores(images, seen, current), targets,
+                                                         len(seen))}
         if len(step["earlier"]) and self.config.distill_weight > 0:
             samples, columns = self.distillation_samples(context)
-            scores = memory.learned_scores(samples, seen)
+            scores = memory.learned_scores(samples, seen, current)
             terms["distill"] = self.config.distill_weight * class_balanced_cross_entropy(scores, columns, len(seen))
         return terms
 
@@ -276,6 +332,16 @@ class LADA(ContinualMethod[LADAConfig]):
     def after_training(self, context: TaskContext) -> None:
         """The task's parameters are frozen from now on; the base parameters get their flags back."""
         memory = self._require_memory()
+        if self._adapter is not None:  # the task's text features are what its AdaptFormer makes of its prompts
+            model = context.model
+            was_training = model.training
+            model.eval()
+            with torch.no_grad():
+                memory.task(len(memory.tasks) - 1).text.copy_(self._prompts.class_embeddings(model).float())
+            model.train(was_training)
+            self._adapter.remove()
+            delattr(model, TEXT_ATTRIBUTE)
+            self._adapter = self._prompts = None
         for param in memory.parameters():
             param.requires_grad_(False)
         restore_flags(context.model, self._flags)
@@ -287,10 +353,13 @@ class LADA(ContinualMethod[LADAConfig]):
         memory = self._memory
         if memory is None:
             return dict(self._state) if self._state is not None else {}
-        return {"class_names": [list(names) for names in memory.class_names],
-                "logit_scale": float(memory.logit_scale),
-                "tasks": {str(k): {key: value.detach().clone() for key, value in task.state_dict().items()}
-                          for k, task in enumerate(memory.tasks)}}
+        state: dict[str, Any] = {
+            "class_names": [list(names) for names in memory.class_names], "logit_scale": float(memory.logit_scale),
+            "tasks": {str(k): {key: value.detach().clone() for key, value in task.state_dict().items()}
+                      for k, task in enumerate(memory.tasks)}}
+        if self._adapter is not None:  # mid-task: the AdaptFormer being trained
+            state["text_adapter"] = {key: value.detach().clone() for key, value in self._adapter.state_dict().items()}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()`: in place into the attached memory (a task resumed from a Trainer checkpoint: the
@@ -299,6 +368,12 @@ class LADA(ContinualMethod[LADAConfig]):
             return
         if self._memory is not None:
             self._load_into(self._memory, state)
+            if "text_adapter" in state:
+                if self._adapter is None:
+                    raise ValueError(f"{NAME}: a mid-task state with a text adapter can only be loaded into the task "
+                                     "that wrote it")
+                with torch.no_grad():
+                    self._adapter.load_state_dict(state["text_adapter"])
             if self._step:
                 self.prepare(self._memory)
         else:
@@ -401,12 +476,13 @@ def zero_shot_text(context: TaskContext) -> torch.Tensor:
 
 
 def _ignore_on_save(model: torch.nn.Module) -> None:
-    """Keep every `lada.` key out of `save_pretrained` (transformers' `_keys_to_ignore_on_save`)."""
+    """Keep every `lada.` and `lada_text.` key out of `save_pretrained` (transformers' `_keys_to_ignore_on_save`)."""
     ignored = {key for key in (getattr(model, "_keys_to_ignore_on_save", None) or ())
-               if not key.startswith(ATTRIBUTE + ".")}
-    memory = lada_memory(model)
-    if memory is not None:
-        ignored |= {f"{ATTRIBUTE}.{key}" for key in memory.state_dict()}
+               if not key.startswith((ATTRIBUTE + ".", TEXT_ATTRIBUTE + "."))}
+    for attribute in (ATTRIBUTE, TEXT_ATTRIBUTE):
+        module = getattr(model, attribute, None)
+        if isinstance(module, torch.nn.Module):
+            ignored |= {f"{attribute}.{key}" for key in module.state_dict()}
     setattr(model, "_keys_to_ignore_on_save", ignored)  # noqa: B010
 
 

@@ -168,9 +168,13 @@ class LADAMemory(nn.Module):
         dots = torch.einsum("nd,cld->ncl", image_embeds, memory.to(image_embeds.dtype))
         return torch.exp(-self.beta * (1 - dots)) * valid.to(dots.dtype)
 
-    def learned_scores(self, image_embeds: torch.Tensor, names: Sequence[str]) -> torch.Tensor:
-        """Scores [N, C] of normalised image embeddings against learned classes `names` (differentiable)."""
+    def learned_scores(self, image_embeds: torch.Tensor, names: Sequence[str],
+                       text_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Scores [N, C] of normalised image embeddings against learned classes `names` (differentiable);
+        `text_rows` (columns, features) replaces those columns' text features (the AdaptFormer's, while it trains)."""
         text, memory, valid = self.gather(names)
+        if text_rows is not None:
+            text = text.index_copy(0, text_rows[0], text_rows[1].to(text.dtype))
         text = F.normalize(text.to(image_embeds.dtype), dim=-1)
         clip = self.logit_scale.to(image_embeds.dtype) * image_embeds @ text.t()
         return clip + self.alpha * self.affinities(image_embeds, memory, valid).sum(-1)
