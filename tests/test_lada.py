@@ -313,18 +313,24 @@ def test_the_adaptformer_is_parallel_to_each_text_mlp_and_leaves_no_trace_when_r
     assert torch.equal(model.embed_texts(ids), plain)
 
 
-def test_the_adaptformer_text_side_trains_the_tasks_text_and_is_refused_where_no_mlp_is(tmp_path):
-    """`text_tuning: adaptformer`: a two-task run stores each task's text features as its AdaptFormer made them
-    (no longer the zero-shot ones), keeps the base model, and leaves no adapter on the model or in the state;
-    AltCLIP's post-norm text tower is refused naming the option."""
-    from hf_ccl.continual import ContinualArguments, ContinualLearner
-    from hf_ccl.data import load_image_processor, load_tokenizer
-    from hf_ccl.data.task import TaskStream
-    from hf_ccl.methods.lada import zero_shot_text
+def test_the_adaptformer_is_refused_where_the_text_tower_has_no_mlp_beside_its_residual_stream():
+    """AltCLIP's post-norm XLM-R text tower: `text_tuning: adaptformer` is refused naming the option."""
     from hf_ccl.validation import ConfigError
 
     with pytest.raises(ConfigError, match="text_tuning=adaptformer.*use text_tuning: features"):
         LADA({"text_tuning": "adaptformer"}).check_model(tiny_model("altclip"))
+    LADA({"text_tuning": "adaptformer"}).check_model(tiny_model("siglip"))
+
+
+@pytest.mark.slow  # 5 s; the mid-task resume runs it too
+def test_the_adaptformer_text_side_trains_the_tasks_text_features(tmp_path):
+    """`text_tuning: adaptformer`: a two-task run stores each task's text features as its AdaptFormer made them
+    (no longer the zero-shot ones), keeps the base model, and leaves no adapter on the model or in the state."""
+    from hf_ccl.continual import ContinualArguments, ContinualLearner
+    from hf_ccl.data import load_image_processor, load_tokenizer
+    from hf_ccl.data.task import TaskStream
+    from hf_ccl.methods.lada import zero_shot_text
+
     stream = build_stream("digits", max_train_per_task=32, max_eval_per_task=8)
     model, start = tiny_model("clip"), tiny_model("clip").state_dict()
     method = LADA({"num_units": 2, "samples_per_class": 2, "text_tuning": "adaptformer"})
@@ -341,3 +347,19 @@ def test_the_adaptformer_text_side_trains_the_tasks_text_and_is_refused_where_no
     zero_shot = zero_shot_text(context)
     trained = method._memory.task(1).text.detach()
     assert trained.shape == zero_shot.shape and not torch.allclose(trained, zero_shot, atol=1e-4)
+
+
+def test_a_class_without_training_images_is_not_learned_and_max_per_class_subsamples_each_class():
+    """A class absent from the task's training rows gets no memory (the evaluator scores it zero-shot, as a class
+    never seen; logged); `max_per_class` fits each class's components on at most that many of its images."""
+    from hf_ccl.data import load_image_processor, load_tokenizer
+    from hf_ccl.methods.lada import task_features
+
+    task = build_stream("digits", max_train_per_task=32, max_eval_per_task=8).tasks[0]
+    task.train = task.train.filter(lambda row: row["label"] != 1)
+    context = SimpleNamespace(model=tiny_model("clip"), task=task, image_processor=load_image_processor(32),
+                              tokenizer=load_tokenizer(), seed=0, task_index=0, max_length=None, eval_batch_size=64)
+    names, learned = LADA({"num_units": 2}).new_task(context)
+    assert names == ["zero"] and learned.text.shape[0] == learned.memory.shape[0] == 1
+    features, labels = task_features(context, max_per_class=3)
+    assert features.shape[0] == 3 and labels.tolist() == [0, 0, 0]

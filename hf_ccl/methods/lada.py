@@ -104,9 +104,9 @@ class LADAConfig(MethodConfig):
     text_bottleneck: int = field(default=64, metadata={"help": "Bottleneck of the AdaptFormer ('adaptformer')."})
     text_adapter_scale: float = field(default=0.1, metadata={"help": "Scale s of the AdaptFormer's output "
                                                                      "('adaptformer')."})
-    max_examples: int | None = field(default=None, metadata={"help": "Training images per task the K-means and the "
-                                                                     "components are fitted on (a seeded subset); "
-                                                                     "None: all."})
+    max_per_class: int | None = field(default=None, metadata={"help": "Training images per class the K-means and "
+                                                                      "the components are fitted on (a seeded "
+                                                                      "subset); None: all."})
 
     def __post_init__(self) -> None:
         if self.num_units < 1:
@@ -132,8 +132,8 @@ class LADAConfig(MethodConfig):
             raise ConfigError(f"text_bottleneck must be >= 1, got {self.text_bottleneck}", "text_bottleneck")
         if not math.isfinite(self.text_adapter_scale):
             raise ConfigError(f"text_adapter_scale must be finite, got {self.text_adapter_scale}", "text_adapter_scale")
-        if self.max_examples is not None and self.max_examples < 1:
-            raise ConfigError(f"max_examples must be >= 1 or None, got {self.max_examples}", "max_examples")
+        if self.max_per_class is not None and self.max_per_class < 1:
+            raise ConfigError(f"max_per_class must be >= 1 or None, got {self.max_per_class}", "max_per_class")
 
 
 @register_method
@@ -168,6 +168,7 @@ class LADA(ContinualMethod[LADAConfig]):
         self._state: dict[str, Any] | None = None  # a restored state, loaded at the next task start
         self._flags: dict[str, bool] = {}
         self._step: dict[str, Any] = {}  # what the task's steps read (`prepare`)
+        self._task_names: list[str] = []  # the current task's classes (its rows' labels index them)
         self._adapter: TextAdaptFormer | None = None  # the task's AdaptFormer while it trains ('adaptformer')
         self._prompts: Any = None  # the task's class prompts (`ClassPrompts`) the adapter encodes every step
 
@@ -177,6 +178,12 @@ class LADA(ContinualMethod[LADAConfig]):
         if kinds:
             raise ValueError(f"lada learns classes (label-specific memory units per class); the stream has tasks of "
                              f"kind {kinds}, which have none: use a classification stream")
+        from ..data.streaming import is_streaming
+
+        streamed = [task.name for task in stream if is_streaming(task.train)]
+        if streamed:
+            raise ValueError(f"lada fits each class's memory on its task's training images before the task trains; "
+                             f"tasks {streamed} are streamed (IterableDataset): give them as map-style datasets")
 
     def check_model(self, model: torch.nn.Module) -> None:
         """`text_tuning: adaptformer` needs CLIP-style pre-norm text layers (refused on AltCLIP, Chinese-CLIP)."""
@@ -212,8 +219,9 @@ class LADA(ContinualMethod[LADAConfig]):
             raise ValueError(f"{NAME}: the memory holds {len(memory.tasks)} tasks at the start of task "
                              f"{context.task_index}")
         _ignore_on_save(model)
-        task = self.new_task(context)
-        memory.add_task(list(context.task.class_names or []), task.to(model.logit_scale.device))
+        self._task_names = list(context.task.class_names or [])
+        names, task = self.new_task(context)
+        memory.add_task(names, task.to(model.logit_scale.device))
         _ignore_on_save(model)
         model.requires_grad_(False)
         task.memory.requires_grad_(True)
@@ -223,25 +231,35 @@ class LADA(ContinualMethod[LADAConfig]):
         self.prepare(memory)
 
     @torch.no_grad()
-    def new_task(self, context: TaskContext) -> LADATask:
-        """This task's `LADATask` from its training images (frozen image tower) and its classes' prompts."""
+    def new_task(self, context: TaskContext) -> tuple[list[str], LADATask]:
+        """The classes this task learns (those with training images) and their `LADATask`, from their training
+        images (frozen image tower) and their prompts. A class without a training image is not learned: it is
+        scored zero-shot, as a class never seen (logged)."""
         task = context.task
         names = list(task.class_names or [])
-        features, labels = task_features(context, self.config.max_examples)
+        features, labels = task_features(context, self.config.max_per_class)
         generator = torch.Generator().manual_seed(int(context.seed) * 1000 + context.task_index)
         parts: dict[str, list[torch.Tensor]] = {"weights": [], "means": [], "variances": [], "valid": []}
-        for index, name in enumerate(names):
+        present = []
+        for index in range(len(names)):
             rows = features[labels == index]
             if rows.shape[0] == 0:
-                raise ValueError(f"{NAME}: class {name!r} of task {context.task_index} ({task.name!r}) has no training "
-                                 "image to build its memory from")
+                continue
+            present.append(index)
             for key, value in gaussian_components(rows, self.config.num_units, self.config.kmeans_iterations,
                                                   generator, self.config.variance_floor).items():
                 parts[key].append(value)
+        absent = [name for index, name in enumerate(names) if index not in present]
+        if absent:
+            logger.warning("%s, task %d (%s): classes %s have no training image and are not learned (scored "
+                           "zero-shot)", NAME, context.task_index, task.name, absent)
+        if not present:
+            raise ValueError(f"{NAME}: task {context.task_index} ({task.name!r}) has no training image of any class")
         stats = {key: torch.stack(values) for key, values in parts.items()}
-        text = zero_shot_text(context)
+        text = zero_shot_text(context)[torch.tensor(present)]
         memory = F.normalize(stats["means"], dim=-1) * stats["valid"].unsqueeze(-1)
-        return LADATask(text, memory, stats["weights"], stats["means"], stats["variances"], stats["valid"])
+        return [names[index] for index in present], LADATask(text, memory, stats["weights"], stats["means"],
+                                                               stats["variances"], stats["valid"])
 
     def install_text_adapter(self, context: TaskContext) -> None:
         """A fresh AdaptFormer on the text tower for this task (seeded), and the task's class prompts it encodes."""
@@ -280,8 +298,16 @@ class LADA(ContinualMethod[LADAConfig]):
                  for key in ("weights", "means", "variances", "valid")} if earlier else {}
         self._step = {"seen": seen,
                       "current": torch.tensor([column[name] for name in current], dtype=torch.long).to(device),
+                      # each row label (its class in the task) -> its column; a class the task does not learn (no
+                      # training image) has no row
+                      "labels": torch.tensor([column.get(name, 0) for name in self._task_names or current],
+                                             dtype=torch.long).to(device),
                       "earlier": torch.tensor([column[name] for name in earlier], dtype=torch.long).to(device),
                       **{key: value.detach().clone().to(device) for key, value in stats.items()}}
+        if self._prompts is not None:  # the AdaptFormer encodes every class of the task: the learned ones' rows
+            prompt_row = {name: index for index, name in enumerate(self._prompts.class_names)}
+            self._step["prompt_rows"] = torch.tensor([prompt_row[name] for name in current],
+                                                     dtype=torch.long).to(device)
         if earlier and self.config.distribution == "prototypes":
             index = stats["valid"].nonzero()
             self._step["prototypes"] = F.normalize(stats["means"][index[:, 0], index[:, 1]].float(), dim=-1).to(device)
@@ -297,10 +323,10 @@ class LADA(ContinualMethod[LADAConfig]):
             raise ValueError(f"{NAME} scores the batch's image embeddings; the model's outputs have none")
         step, seen = self._step, self._step["seen"]
         images = outputs.image_embeds.detach().float()
-        targets = step["current"][inputs["class_labels"]]
+        targets = step["labels"][inputs["class_labels"]]
         current = None  # with the AdaptFormer: the current classes' text features, encoded through it
         if self._adapter is not None:
-            current = (step["current"], self._prompts.class_embeddings(model).float())
+            current = (step["current"], self._prompts.class_embeddings(model).float()[step["prompt_rows"]])
         terms = {"current": class_balanced_cross_entropy(memory.learned_scores(images, seen, current), targets,
                                                          len(seen))}
         if len(step["earlier"]) and self.config.distill_weight > 0:
@@ -337,7 +363,8 @@ class LADA(ContinualMethod[LADAConfig]):
             was_training = model.training
             model.eval()
             with torch.no_grad():
-                memory.task(len(memory.tasks) - 1).text.copy_(self._prompts.class_embeddings(model).float())
+                embeddings = self._prompts.class_embeddings(model).float()[self._step["prompt_rows"]]
+                memory.task(len(memory.tasks) - 1).text.copy_(embeddings)
             model.train(was_training)
             self._adapter.remove()
             delattr(model, TEXT_ATTRIBUTE)
@@ -426,36 +453,40 @@ def class_balanced_cross_entropy(scores: torch.Tensor, targets: torch.Tensor, nu
 
 
 @torch.no_grad()
-def task_features(context: TaskContext, max_examples: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def task_features(context: TaskContext, max_per_class: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Normalised image embeddings (frozen image tower) of the task's training images and their labels: all of them,
-    or a seeded subset of `max_examples` (CPU, float32)."""
-    from ..data.streaming import is_streaming
+    or a seeded subset of at most `max_per_class` per class (CPU, float32)."""
     from ..data.task import CollatorSetup
 
     model, dataset = context.model, context.task.train
-    if is_streaming(dataset):
-        raise ValueError(f"{NAME} fits its memory on the task's training images before the task trains: give it a "
-                         "map-style dataset (not a stream)")
     _, collator = context.task.kind_spec.collators(context.task, CollatorSetup(
         context.image_processor, context.tokenizer, context.max_length or model.max_text_positions, context.seed,
         padding=model.text_padding))
+    all_labels = torch.tensor(row_labels(None, list(dataset["label"])), dtype=torch.long)
     indices = list(range(len(dataset)))
-    if max_examples is not None and len(indices) > max_examples:
+    if max_per_class is not None:
         generator = torch.Generator().manual_seed(int(context.seed))
-        indices = sorted(torch.randperm(len(indices), generator=generator)[:max_examples].tolist())
+        order = torch.randperm(len(indices), generator=generator).tolist()
+        taken: dict[int, int] = {}
+        indices = []
+        for index in order:
+            label = int(all_labels[index])
+            if taken.get(label, 0) < max_per_class:
+                taken[label] = taken.get(label, 0) + 1
+                indices.append(index)
+        indices.sort()
     device = model.logit_scale.device
     batch_size = max(int(context.eval_batch_size or 64), 1)
-    parts, labels = [], []
+    parts = []
     was_training = model.training
     model.eval()
     try:
         for start in range(0, len(indices), batch_size):
             rows = [dataset[int(i)] for i in indices[start:start + batch_size]]
             parts.append(model.embed_images(**model.image_inputs(collator(rows), device=device)).float().cpu())
-            labels.extend(row_labels(None, [row.get("label") for row in rows]))
     finally:
         model.train(was_training)
-    return torch.cat(parts), torch.tensor(labels, dtype=torch.long)
+    return torch.cat(parts), all_labels[torch.tensor(indices, dtype=torch.long)]
 
 
 @torch.no_grad()
