@@ -17,6 +17,7 @@ Methods (`--methods`, default all), by family:
                              cumulative_all, cumulative_exp, cumulative_equal, restart, oracle, patching;
                              parameter-efficient: lora, prompt
     downstream               zscl, moe_adapters, wise_ft, weight_ensemble
+    model merging            magmax
 
 Per method and stream (mean ± std over (order, seed) pairs): Last, Avg. and Transfer as ZSCL's `mtil/results.ipynb`
 (on pacs-domains Transfer is the same formula: the accuracy on the domains not trained yet), Transfer over the tasks
@@ -95,6 +96,7 @@ FAMILIES = {
     "patching": "TiC data strategy",
     "lora": "parameter-efficient", "prompt": "parameter-efficient",
     "zscl": "downstream", "moe_adapters": "downstream", "wise_ft": "downstream", "weight_ensemble": "downstream",
+    "magmax": "model merging",
 }
 METHODS = ",".join(FAMILIES)
 #: Registered methods this table does not compare, and why (a user may still name them in `--methods`).
@@ -134,6 +136,7 @@ WHY = {
     "moe_adapters": "bottleneck `--moe-bottleneck`, DDAS, `--moe-lr` (zero-initialised experts scaled by 0.1)",
     "wise_ft": "interpolation with the zero-shot model after each task (alpha `--wise-alpha`)",
     "weight_ensemble": "ZSCL's weight ensemble alone, every ~1/10 task",
+    "magmax": "sequential fine-tuning, deploy θ_0 + 0.5 x the max-magnitude merge of the task vectors (official λ)",
 }
 PACS_ORDERS = {"I": PACS_DOMAINS, "II": tuple(reversed(PACS_DOMAINS))}
 #: The smoke run's sizes: a tiny starting model pretrained for a few steps, a few images per task.
