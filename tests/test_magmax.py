@@ -5,6 +5,8 @@ combinations refused. Exact resume after a task is `tests/test_method_registry.p
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_wise_ft import Deployed, TwoParameters, Weights, _context, _weights, assert_close, assert_equal, fit
@@ -143,3 +145,41 @@ def test_a_model_of_other_shapes_is_refused_before_training():
     with pytest.raises(ValueError, match="magmax .*shape"):
         method.on_task_start(_context(0, model))
     assert _weights(model) == {"w": torch.tensor(1.0), "b": torch.tensor(0.0)}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The command a user runs
+# ----------------------------------------------------------------------------------------------------------------
+def test_the_cli_saves_the_merged_model_and_the_state_to_continue(tmp_path, capsys):
+    """`hf-ccl train --config digits methods=[magmax]` (5 tasks of one step): `hf-ccl list` names it; each task checkpoint, loaded
+    by plain transformers, is θ_0 + λ τ_merged of its saved state; the state holds the fine-tuned weights the next
+    task starts from, and its files on disk are the run's extra storage."""
+    from safetensors.torch import load_file
+    from transformers import CLIPModel
+
+    from hf_ccl.cli import main
+
+    assert main(["list"]) == 0 and "magmax" in capsys.readouterr().out
+    output_dir = tmp_path / "run"
+    assert main(["train", "--config", "digits", "model.config.hidden_size=32", "model.config.num_layers=1",
+                 "stream_args.max_train_per_task=8", "stream_args.max_eval_per_task=4",
+                 "training.per_device_train_batch_size=8", "evaluation.initial=false", "evaluation.every=5",
+                 "methods=[magmax]", "method_args.magmax.scale=0.25",
+                 "progress=false", f"output_dir={output_dir}"]) == 0
+    costs = json.loads((output_dir / "compute.json").read_text())["tasks"]
+    assert len(costs) == 5
+    for index, cost in enumerate(costs):
+        folder = output_dir / f"task-{index}"
+        state = json.loads((folder / "method_state.json").read_text())["magmax"]
+        tensors = load_file(folder / "method_state.safetensors")
+        assert state["config"]["scale"] == 0.25 and state["state"]["count"] == index + 1
+        model = CLIPModel.from_pretrained(folder).state_dict()
+        initial = {k[len("magmax/initial/"):]: v for k, v in tensors.items() if k.startswith("magmax/initial/")}
+        merged = {k[len("magmax/merged/"):]: v for k, v in tensors.items() if k.startswith("magmax/merged/")}
+        finetuned = {k[len("magmax/finetuned/"):]: v for k, v in tensors.items() if k.startswith("magmax/finetuned/")}
+        assert merged and set(merged) == set(finetuned) == {k for k, v in model.items() if v.is_floating_point()}
+        for name, vector in merged.items():
+            torch.testing.assert_close(model[name], initial[name] + 0.25 * vector, msg=name)
+        assert not torch.equal(model["text_projection.weight"], finetuned["text_projection.weight"])
+        assert cost["extra_storage_bytes"] == sum((folder / f"method_state.{s}").stat().st_size
+                                                  for s in ("json", "safetensors"))
