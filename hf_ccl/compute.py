@@ -477,13 +477,19 @@ class ComputeCallback(TaskCallback):
         self.run = RunPhases()
         self._launch_pending = False  # this fit()'s start-up is not recorded yet
         self._parameters: tuple[int, int] = (0, 0)
+        self._restored: Path | None = None  # the task checkpoint this launch resumed from
 
     def on_stream_begin(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
         self._launch_pending = True
 
     def on_task_begin(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
         """The launch's start-up and initial evaluation, at its first task (a resumed finished run trains none and
-        adds none: its files stay those of the last task checkpoint), then a new peak-memory window."""
+        adds none: its files stay those of the last task checkpoint), with the extra storage of the checkpoint it
+        resumed from; then a new peak-memory window."""
+        if self._restored is not None:  # the restored checkpoint's own task: its extra storage, not recorded in it
+            if self.records and self.records[-1].extra_storage_bytes is None:
+                self.records[-1].extra_storage_bytes = stored_method_bytes(self._restored)
+            self._restored = None
         if self._launch_pending:
             learner = kwargs["learner"]
             self.run.startup_seconds += time.time() - learner.started_at - learner.initial_eval_seconds
@@ -522,9 +528,7 @@ class ComputeCallback(TaskCallback):
         kwargs["learner"].results.cost = [asdict(record) for record in self.records]  # with the checkpoint's time
 
     def on_restore(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
-        """The restored checkpoint's own task: its extra storage, which its records could not hold yet."""
-        if self.records and self.records[-1].extra_storage_bytes is None:
-            self.records[-1].extra_storage_bytes = stored_method_bytes(kwargs["folder"])
+        self._restored = Path(kwargs["folder"])
 
     def on_save(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
         save_compute(self.records, kwargs["folder"], self.run)  # for readers; a resume reads `state_dict`

@@ -21,6 +21,7 @@ from hf_ccl.compute import (
     METHOD_PHASES,
     METHOD_STATE_STEM,
     PHASES,
+    ComputeCallback,
     TaskCompute,
     compute_summary,
     cost_table,
@@ -175,6 +176,14 @@ def test_extra_storage_is_the_method_state_files_on_disk(tmp_path):
     assert stored_method_bytes(tmp_path) == saved_method_bytes([method]) == on_disk > 1200
     assert stored_method_bytes(tmp_path / "nothing") == 0
     assert METHOD_STATE_STEM == STATE_STEM
+    # A run resumed from this checkpoint fills in its task's extra storage (which the checkpoint could not hold)
+    # once it trains on; a finished run resumed only to rewrite its files keeps them as the checkpoint has them.
+    callback = ComputeCallback()
+    callback.records = [TaskCompute("t", 1, 2, 2, 6.0)]
+    callback.on_restore(None, None, None, folder=tmp_path)
+    assert callback.records[0].extra_storage_bytes is None
+    callback.on_task_begin(None, None, None)
+    assert callback.records[0].extra_storage_bytes == on_disk
 
 
 TINY_RUN = ["model.config.hidden_size=32", "model.config.num_layers=1", "stream_args.max_train_per_task=20",
