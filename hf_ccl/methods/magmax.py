@@ -7,8 +7,10 @@ Sequential fine-tuning, then, after every task t, the deployed model (evaluated 
     τ_MagMax[p] = τ_k[p],  k = argmax_{i ≤ t} |τ_i[p]|   per parameter entry p, over the tasks seen so far
     θ_MagMax = θ_0 + λ · τ_MagMax
 
-(the paper's §3 merge rule, written as its code computes it: `merge_max_abs` in src/merging/task_vectors.py, applied
-by `TaskVector.apply_to(θ_0, scaling_coef=λ)`). θ_0 is the model before the first task. The next task trains from the
+(the paper's merge rule, θ_MagMax = θ_0 + λ τ_MagMax with τ_MagMax^p = τ_k^p, k = argmax_i |τ_i^p|, as its abstract
+and summaries state it: the paper's own text, and so its equation numbers, could not be read here; the rule is checked
+against the code: `merge_max_abs` in src/merging/task_vectors.py, applied by `TaskVector.apply_to(θ_0,
+scaling_coef=λ)`). θ_0 is the model before the first task. The next task trains from the
 sequentially fine-tuned θ_t, not from the merge (finetune_splitted.py with `--sequential-finetuning` loads
 `finetuned_{t-1}.pt`, the fine-tuned encoder saved before any merge; merging is a separate script that only reads
 those checkpoints).
@@ -19,7 +21,8 @@ vectors (tests check the two agree).
 
 Options:
 - `scale`: λ. 0.5, the coefficient the official merge scripts use for `merge_max_abs` (merge_splitted.py,
-  merge_domain_splitted.py, merge_8datasets.py); the paper reports λ as fixed across settings.
+  merge_domain_splitted.py, merge_8datasets.py); the paper keeps one fixed λ across settings (its value in the
+  paper's text could not be read here).
 - `merge`: "max_magnitude" (MagMax), or the paper's baselines over the same task vectors: "average" (the mean of
   the task vectors; the code's `sum` with coefficient 1/n, i.e. `scale: 1.0` here) and "random" (random mixing:
   each entry taken from one of the seen task vectors uniformly at random; the code's `merge_rnd_mix`, coefficient
