@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import resource
 import statistics
 import sys
@@ -66,9 +67,11 @@ from .callbacks import StreamControl, StreamState, TaskCallback
 
 if TYPE_CHECKING:
     from .arguments import ContinualArguments
-from .distributed import all_reduce_sum_, world_size
+from .distributed import all_reduce_sum_, is_main_process, world_size
 from .files import write_text_atomic
 from .state_files import save_states
+
+logger = logging.getLogger(__name__)
 
 COMPUTE_FILE = "compute.json"
 #: The stem of the method-state files of a checkpoint (`hf_ccl.methods.state.STATE_STEM`, which imports this module).
@@ -211,13 +214,18 @@ def stored_method_bytes(folder: str | Path) -> int:
     return sum(path.stat().st_size for path in paths if path.exists())
 
 
-def saved_method_bytes(methods: Sequence[Any]) -> int:
+def saved_method_bytes(methods: Sequence[Any]) -> int | None:
     """`stored_method_bytes` of the methods' state written as a checkpoint writes it, into a temporary folder (for a
-    run that writes no checkpoints)."""
-    with tempfile.TemporaryDirectory(prefix="hf_ccl_state_") as folder:
-        save_states({method.name: method for method in methods}, folder, METHOD_STATE_STEM,
-                    extra={method.name: {"config": method.config.to_dict()} for method in methods})
-        return stored_method_bytes(folder)
+    run that writes no checkpoints); None, with a warning, where it cannot be written (a full disk): the accounting
+    never fails a run."""
+    try:
+        with tempfile.TemporaryDirectory(prefix="hf_ccl_state_") as folder:
+            save_states({method.name: method for method in methods}, folder, METHOD_STATE_STEM,
+                        extra={method.name: {"config": method.config.to_dict()} for method in methods})
+            return stored_method_bytes(folder)
+    except OSError as error:
+        logger.warning("Could not write the method state to a temporary folder to measure its size: %s", error)
+        return None
 
 
 def save_compute(records: list[TaskCompute], directory: str | Path, run: RunPhases | None = None) -> None:
@@ -518,7 +526,7 @@ class ComputeCallback(TaskCallback):
         learner, record = kwargs["learner"], self.records[-1]
         record.peak_rss_bytes, record.peak_cuda_bytes = peak_memory()
         record.method_state_bytes = {method.name: state_bytes(method.state_dict()) for method in learner.methods}
-        if not learner.writes_checkpoints:  # else measured in the checkpoint, once written
+        if not learner.writes_checkpoints and is_main_process():  # else measured in the checkpoint, once written
             record.extra_storage_bytes = saved_method_bytes(learner.methods)
         learner.results.cost = [asdict(record) for record in self.records]
 

@@ -16,6 +16,7 @@ import torch
 from huggingface_hub import ModelCard
 from torch.utils.flop_counter import FlopCounterMode
 
+from hf_ccl import compute
 from hf_ccl.cli import main
 from hf_ccl.compute import (
     METHOD_PHASES,
@@ -167,7 +168,7 @@ def test_step_meter_times_each_step_from_its_start_to_the_next_ones():
     assert restored.step_seconds == meter.step_seconds  # ... and the first step after a resume starts a new interval
 
 
-def test_extra_storage_is_the_method_state_files_on_disk(tmp_path):
+def test_extra_storage_is_the_method_state_files_on_disk(tmp_path, monkeypatch):
     """What a run without checkpoints measures in a temporary folder is what a checkpoint's files take."""
     (method,) = build_methods(["wise_ft"])
     method.finetuned = {"w": torch.zeros(100, 3)}  # 1,200 bytes of tensor
@@ -184,6 +185,12 @@ def test_extra_storage_is_the_method_state_files_on_disk(tmp_path):
     assert callback.records[0].extra_storage_bytes is None
     callback.on_task_begin(None, None, None)
     assert callback.records[0].extra_storage_bytes == on_disk
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(compute, "save_states", full_disk)
+    assert saved_method_bytes([method]) is None  # unmeasured, and the run goes on
 
 
 TINY_RUN = ["model.config.hidden_size=32", "model.config.num_layers=1", "stream_args.max_train_per_task=20",
