@@ -133,8 +133,11 @@ def test_defaults_and_combinations():
     (method,) = build_methods(["magmax"])
     config = method.config
     assert (config.scale, config.merge, config.training, config.ties) == (0.5, "max_magnitude", "sequential", "later")
-    build_methods(["weight_ensemble", "magmax"])
-    for other in (["wise_ft", "magmax"], ["magmax", "patching"], ["magmax", "lora"]):
+    build_methods(["magmax", "lwf"])
+    build_methods(["magmax", "er"])
+    with pytest.raises(ConfigError, match="Put 'magmax' before 'lwf'"):  # the teacher must be θ_{t-1}, not the merge
+        build_methods(["lwf", "magmax"])
+    for other in (["wise_ft", "magmax"], ["magmax", "patching"], ["magmax", "lora"], ["weight_ensemble", "magmax"]):
         with pytest.raises(ConfigError, match="cannot be combined"):
             build_methods(other)
 

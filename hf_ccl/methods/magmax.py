@@ -39,6 +39,12 @@ What is merged: every floating-point tensor of the state dict (both towers, bias
 of its image classifier, whose text tower and logit scale are never trained (zero task vectors), so only the image
 tower moves there; here a frozen tensor has τ = 0 and keeps θ_0 exactly, and what a run trains is what is merged.
 
+Composition: methods that build on the task-start model (LwF's and Mod-X's teachers, CTP's momentum model, ZSCL) must
+come after `magmax` in the method list (refused otherwise), so that they see θ_{t−1}, as the paper's "LwF + MagMax"
+(the official lwf.py trains sequentially from the fine-tuned checkpoints). Methods that read the model at a task's
+end (EWC's and MAS's anchors and importances, DNS's covariances) read the deployed merge, not θ_t (the official
+ewc.py anchors θ_t): their combination with `magmax` is not the paper's "EWC + MagMax".
+
 State (saved beside each checkpoint, for an exact resume): θ_0, the running merged task vector, the number of tasks
 merged, and between tasks (sequential only) the fine-tuned weights the next task starts from: up to three
 model-sized tensor sets on the CPU.
@@ -151,8 +157,13 @@ class MagMax(ContinualMethod[MagMaxConfig]):
                                "parameter-efficient method changes during each task (adapters injected and merged)",
         "weight_interpolation": "replaces the deployed model after training and restores the fine-tuned one at the "
                                 "next task's start: another method doing the same would undo it; use one",
+        "weight_average": "takes each task's trained weights as θ_t; a mean of the weights along the task in their "
+                          "place is not the paper's method",
     }
     runs_after = {"vocabulary": "snapshots the model before the first task, which must have the grown vocabulary"}
+    runs_before = {"previous_model": "restores the previous task's fine-tuned weights at each task's start, which a "
+                                     "method that builds on the previous model (a teacher, a momentum model) must "
+                                     "see instead of the deployed merge"}
 
     def __init__(self, config: MagMaxConfig | dict[str, Any] | None = None):
         super().__init__(config)
