@@ -17,6 +17,7 @@ Methods (`--methods`, default all), by family:
                              cumulative_all, cumulative_exp, cumulative_equal, restart, oracle, patching;
                              parameter-efficient: lora, prompt
     downstream               zscl, moe_adapters, wise_ft, weight_ensemble, diki
+    model merging            magmax
 
 Per method and stream (mean ± std over (order, seed) pairs): Last, Avg. and Transfer as ZSCL's `mtil/results.ipynb`
 (on pacs-domains Transfer is the same formula: the accuracy on the domains not trained yet), Transfer over the tasks
@@ -96,6 +97,7 @@ FAMILIES = {
     "lora": "parameter-efficient", "prompt": "parameter-efficient",
     "zscl": "downstream", "moe_adapters": "downstream", "wise_ft": "downstream", "weight_ensemble": "downstream",
     "diki": "downstream",
+    "magmax": "model merging",
 }
 METHODS = ",".join(FAMILIES)
 #: Registered methods this table does not compare, and why (a user may still name them in `--methods`).
@@ -139,6 +141,7 @@ WHY = {
     "weight_ensemble": "ZSCL's weight ensemble alone, every ~1/10 task",
     "diki": "residual attention prompts in the first 8 layers of both towers, likelihood routing and calibration "
             "(the official code's settings), `--diki-lr`",
+    "magmax": "sequential fine-tuning, deploy θ_0 + 0.5 x the max-magnitude merge of the task vectors (official λ)",
 }
 PACS_ORDERS = {"I": PACS_DOMAINS, "II": tuple(reversed(PACS_DOMAINS))}
 #: The smoke run's sizes: a tiny starting model pretrained for a few steps, a few images per task.

@@ -31,6 +31,13 @@ the printed summary and the model card):
     peak_cuda_bytes      peak memory allocated by torch on the current CUDA device during the task (None on CPU)
     trainable_parameters parameters the optimizer updates (the model's trainable ones and the methods' own)
     method_state_bytes   per method: bytes of its state as saved in a checkpoint (tensors and JSON), after the task
+    extra_storage_bytes  what the methods keep beyond the model, measured on disk: the bytes of the task checkpoint's
+                         method-state files (`method_state.json` / `.safetensors`: teachers, buffers, task vectors,
+                         adapters, every parameter a method keeps outside the model), read when task-<k>/ is written
+                         (so the task's own checkpoint lacks it); a run that writes no checkpoints writes those files
+                         to a temporary folder at the task's end and measures them
+    median_step_seconds  median wall time of the task's optimizer steps on the main process, from one step's start
+                         to the next's (`StepMeter.step_seconds`)
 
 and the run (`RunPhases`, the `run` entry of `compute.json`): `startup_seconds`, from the process's start (`hf-ccl
 train`, `recipes/train.py`; a Python caller: from `run()` or the learner's creation) to its first task, less the
@@ -43,8 +50,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import resource
+import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -57,10 +67,15 @@ from .callbacks import StreamControl, StreamState, TaskCallback
 
 if TYPE_CHECKING:
     from .arguments import ContinualArguments
-from .distributed import all_reduce_sum_, world_size
+from .distributed import all_reduce_sum_, is_main_process, world_size
 from .files import write_text_atomic
+from .state_files import save_states
+
+logger = logging.getLogger(__name__)
 
 COMPUTE_FILE = "compute.json"
+#: The stem of the method-state files of a checkpoint (`hf_ccl.methods.state.STATE_STEM`, which imports this module).
+METHOD_STATE_STEM = "method_state"
 
 
 @dataclass
@@ -86,6 +101,10 @@ class TaskCompute:
     macs_measured: bool = False
     #: Distinct step shapes measured (on the main process).
     step_shapes: int = 0
+    #: Median wall seconds per optimizer step on the main process (`StepMeter`); None before two steps.
+    median_step_seconds: float | None = None
+    #: Bytes of the methods' state files in the task's checkpoint, on disk (None until measured).
+    extra_storage_bytes: int | None = None
 
     @property
     def wall_seconds(self) -> float:
@@ -189,6 +208,26 @@ def state_bytes(state: Any) -> int:
     return len(json.dumps(state, default=str))
 
 
+def stored_method_bytes(folder: str | Path) -> int:
+    """Bytes on disk of the method-state files in a checkpoint folder: what the methods keep beyond the model."""
+    paths = [Path(folder) / f"{METHOD_STATE_STEM}.{suffix}" for suffix in ("json", "safetensors")]
+    return sum(path.stat().st_size for path in paths if path.exists())
+
+
+def saved_method_bytes(methods: Sequence[Any]) -> int | None:
+    """`stored_method_bytes` of the methods' state written as a checkpoint writes it, into a temporary folder (for a
+    run that writes no checkpoints); None, with a warning, where it cannot be written (a full disk): the accounting
+    never fails a run."""
+    try:
+        with tempfile.TemporaryDirectory(prefix="hf_ccl_state_") as folder:
+            save_states({method.name: method for method in methods}, folder, METHOD_STATE_STEM,
+                        extra={method.name: {"config": method.config.to_dict()} for method in methods})
+            return stored_method_bytes(folder)
+    except OSError as error:
+        logger.warning("Could not write the method state to a temporary folder to measure its size: %s", error)
+        return None
+
+
 def save_compute(records: list[TaskCompute], directory: str | Path, run: RunPhases | None = None) -> None:
     tasks = [asdict(record) for record in records]
     phases = None if run is None else asdict(run)
@@ -211,6 +250,8 @@ def cost_totals(records: list[dict[str, Any]], run: Mapping[str, Any] | None = N
         values = [record[key] for record in records if record.get(key) is not None]
         return max(values) if values else None
 
+    step_times = [record["median_step_seconds"] for record in records if record.get("median_step_seconds") is not None]
+
     return {
         "total_seconds": seconds,
         "total_wall_seconds": wall,
@@ -219,6 +260,8 @@ def cost_totals(records: list[dict[str, Any]], run: Mapping[str, Any] | None = N
         "max_peak_cuda_bytes": largest("peak_cuda_bytes"),
         "max_trainable_parameters": largest("trainable_parameters"),
         "final_method_state_bytes": sum(records[-1].get("method_state_bytes", {}).values()) if records else 0,
+        "max_extra_storage_bytes": largest("extra_storage_bytes"),
+        "median_step_seconds": statistics.median(step_times) if step_times else None,
         "total_samples_seen": sum(record.get("samples_seen", 0) for record in records),
         "total_macs": sum(record.get("macs", 0.0) for record in records),
         "macs_measured": all(record.get("macs_measured", False) for record in records),
@@ -226,14 +269,17 @@ def cost_totals(records: list[dict[str, Any]], run: Mapping[str, Any] | None = N
 
 
 #: Columns of the cost part of a table over runs (the all-methods benchmarks), filled by `run_cost_cells`.
-RUN_COST_HEADER = ("wall (s)", "train (s)", "eval (s)", "methods (s)", "peak memory", "trainable", "method state",
-                   "samples", "MACs")
+RUN_COST_HEADER = ("wall (s)", "train (s)", "eval (s)", "methods (s)", "time/step (s)", "peak memory", "trainable",
+                   "extra storage", "samples", "MACs")
 RUN_COST_NOTE = ("Cost columns (`hf_ccl.compute`, mean over seeds): wall = all timed phases of the run; methods = the "
-                 "methods' task-start, after-training and task-end work; peak memory = the largest per-task peak: "
+                 "methods' task-start, after-training and task-end work; time/step = the median over tasks of each task's median "
+                 "optimizer-step wall time (`StepMeter`: from one step's start to the next's); peak memory = the "
+                 "largest per-task peak: "
                  "allocated CUDA memory on a GPU, else the RSS of the benchmark's process (one process runs every "
                  "configuration, so it includes what the process already held); trainable = the most parameters the "
-                 "optimizer updated in any task; method state = bytes of the methods' checkpointed state after the "
-                 "last task; samples and MACs = the training work.")
+                 "optimizer updated in any task; extra storage = the most bytes the methods' state files of a task "
+                 "checkpoint took on disk (teachers, buffers, task vectors, adapters: what a method keeps beyond the "
+                 "model); samples and MACs = the training work.")
 
 
 def run_cost(records: list[TaskCompute]) -> dict[str, float | None]:
@@ -245,14 +291,15 @@ def run_cost(records: list[TaskCompute]) -> dict[str, float | None]:
         "methods_s": sum(seconds[phase] for phase in METHOD_PHASES), "peak_rss_bytes": totals["max_peak_rss_bytes"],
         "peak_cuda_bytes": totals["max_peak_cuda_bytes"], "trainable_parameters": totals["max_trainable_parameters"],
         "method_state_bytes": totals["final_method_state_bytes"], "samples": totals["total_samples_seen"],
-        "macs": totals["total_macs"],
+        "macs": totals["total_macs"], "step_s": totals["median_step_seconds"],
+        "extra_storage_bytes": totals["max_extra_storage_bytes"],
     }
 
 
 def mean_run_cost(costs: list[dict[str, float | None]]) -> dict[str, float | None]:
     """Key-wise mean of `run_cost` dicts (over seeds); None where no run recorded the key."""
     mean: dict[str, float | None] = {}
-    for key in costs[0]:
+    for key in dict.fromkeys(key for cost in costs for key in cost):
         values = [value for cost in costs if (value := cost.get(key)) is not None]
         mean[key] = sum(values) / len(values) if values else None
     return mean
@@ -262,10 +309,11 @@ def run_cost_cells(cost: dict[str, float | None]) -> str:
     """The `RUN_COST_HEADER` cells of one table row, joined by ` | ` (peak CUDA replaces peak RSS where recorded)."""
     peak = cost.get("peak_cuda_bytes") or cost.get("peak_rss_bytes")
     trainable = cost.get("trainable_parameters")
+    step, storage = cost.get("step_s"), cost.get("extra_storage_bytes")
     cells = [f"{cost[key]:.1f}" for key in ("wall_s", "train_s", "eval_s", "methods_s")]
-    cells += [format_bytes(peak) if peak is not None else "-",
+    cells += [f"{step:.3f}" if step is not None else "-", format_bytes(peak) if peak is not None else "-",
               format_count(int(trainable)) if trainable is not None else "-",
-              format_bytes(cost["method_state_bytes"] or 0), f"{cost['samples']:,.0f}", f"{cost['macs']:.2e}"]
+              format_bytes(storage) if storage is not None else "-", f"{cost['samples']:,.0f}", f"{cost['macs']:.2e}"]
     return " | ".join(cells)
 
 
@@ -319,7 +367,8 @@ def compute_summary(records: list[TaskCompute], run: RunPhases | None = None) ->
 
 
 def cost_line(record: TaskCompute) -> str:
-    """`12.3 s (train 10.1 / eval 1.2 / methods 0.4 / other 0.6), peak RSS 1.2 GiB, 3.4M trainable, state 1.0 MiB`."""
+    """`12.3 s (train 10.1 / eval 1.2 / methods 0.4 / other 0.6), peak RSS 1.2 GiB, 3.4M trainable, method state
+    1.0 MiB, extra storage 1.0 MiB, 0.123 s/step` (the last two where measured)."""
     train, evaluation = record.seconds.get("train", 0.0), record.seconds.get("eval", 0.0)
     other = record.wall_seconds - train - evaluation - record.method_seconds
     parts = [f"{record.wall_seconds:.1f} s (train {train:.1f} / eval {evaluation:.1f} / methods "
@@ -331,6 +380,10 @@ def cost_line(record: TaskCompute) -> str:
     if record.trainable_parameters is not None:
         parts.append(f"{format_count(record.trainable_parameters)} trainable")
     parts.append(f"method state {format_bytes(sum(record.method_state_bytes.values()))}")
+    if record.extra_storage_bytes is not None:
+        parts.append(f"extra storage {format_bytes(record.extra_storage_bytes)}")
+    if record.median_step_seconds is not None:
+        parts.append(f"{record.median_step_seconds:.3f} s/step")
     return ", ".join(parts)
 
 
@@ -341,8 +394,8 @@ def cost_table(records: list[TaskCompute], run: Mapping[str, Any] | RunPhases | 
     if not timed:
         return []
     phases = RunPhases(**run) if isinstance(run, Mapping) else run
-    lines = ["| task | wall (s) | train (s) | eval (s) | methods (s) | checkpoint (s) | peak RSS | peak CUDA | "
-             "trainable params | method state | samples | MACs |", "|---" * 12 + "|"]
+    lines = ["| task | wall (s) | train (s) | eval (s) | methods (s) | checkpoint (s) | time/step (s) | peak RSS | "
+             "peak CUDA | trainable params | method state | extra storage | samples | MACs |", "|---" * 14 + "|"]
 
     def row(label: str, rs: list[TaskCompute], outside: RunPhases | None = None) -> str:
         seconds = {phase: sum(r.seconds.get(phase, 0.0) for r in rs) for phase in PHASES}
@@ -352,26 +405,33 @@ def cost_table(records: list[TaskCompute], run: Mapping[str, Any] | RunPhases | 
         checkpoint = f"{seconds['checkpoint']:.2f}" if any("checkpoint" in r.seconds for r in rs) else "-"
         initial = outside.initial_eval_seconds if outside is not None else 0.0
         macs = ("" if all(r.macs_measured for r in rs) else "~") + f"{sum(r.macs for r in rs):.2e}"
+        steps = [r.median_step_seconds for r in rs if r.median_step_seconds is not None]
+        storage = [r.extra_storage_bytes for r in rs if r.extra_storage_bytes is not None]
         return (f"| {label} | {sum(seconds.values()) + (outside.seconds if outside else 0.0):.2f} | {seconds['train']:.2f} | "
                 f"{seconds['eval'] + initial:.2f} | {sum(seconds[p] for p in METHOD_PHASES):.2f} | {checkpoint} | "
+                f"{f'{statistics.median(steps):.3f}' if steps else '-'} | "
                 f"{format_bytes(max(rss)) if rss else '-'} | {format_bytes(max(cuda)) if cuda else '-'} | "
                 f"{format_count(max(r.trainable_parameters or 0 for r in rs))} | "
-                f"{format_bytes(sum(state.values()))} | {sum(r.samples_seen for r in rs):,} | {macs} |")
+                f"{format_bytes(sum(state.values()))} | {format_bytes(max(storage)) if storage else '-'} | "
+                f"{sum(r.samples_seen for r in rs):,} | {macs} |")
 
     if phases is not None and phases.launches:
-        lines.append(f"| start-up | {phases.startup_seconds:.2f} | - | - | - | - | - | - | - | - | - | - |")
+        lines.append(f"| start-up | {phases.startup_seconds:.2f} |" + " - |" * 12)
         lines.append(f"| initial evaluation | {phases.initial_eval_seconds:.2f} | - | "
-                     f"{phases.initial_eval_seconds:.2f} | - | - | - | - | - | - | - | - |")
+                     f"{phases.initial_eval_seconds:.2f} |" + " - |" * 10)
     lines += [row(record.task, [record]) for record in timed]
     lines.append(row("**total**", timed, phases))
     lines += ["", "Wall time by phase: start-up = from the process's start to the first task, less the initial "
               "evaluation (imports, config checks, building the stream and the model, restoring a checkpoint; summed "
               "over the launches of a resumed run); train = `Trainer.train`; methods = their task-start, "
               "after-training and task-end work (teachers, Fisher, buffers, patching); checkpoint = writing task-<k>/ "
-              "(missing for a task in its own checkpoint). Not counted: the work after the last task (the run "
+              "(missing for a task in its own checkpoint). Time/step: the median wall time of an optimizer step, from one "
+              "step's start to the next's (total row: the median of the tasks'). Not counted: the work after the last task (the run "
               "folder's files, waiting for Hub pushes) and the interpreter's exit. Peak memory: of the main process "
               "during the task; total row: the largest. Trainable params: total row = the most in any task. Method "
-              "state: bytes of all methods' state in the checkpoint (total row: after the last task). Samples: the "
+              "state: bytes of all methods' state in the checkpoint (total row: after the last task). Extra storage: the "
+              "bytes the methods' state files take on disk in the task checkpoint, what a method keeps beyond the model "
+              "(missing for a task in its own checkpoint; total row: the largest). Samples: the "
               "rows of every training batch over all processes. MACs: measured, every step shape's first step under "
               "torch's FlopCounterMode (forward, backward, the methods' work); ~ marks an estimate."]
     return lines
@@ -425,13 +485,19 @@ class ComputeCallback(TaskCallback):
         self.run = RunPhases()
         self._launch_pending = False  # this fit()'s start-up is not recorded yet
         self._parameters: tuple[int, int] = (0, 0)
+        self._restored: Path | None = None  # the task checkpoint this launch resumed from
 
     def on_stream_begin(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
         self._launch_pending = True
 
     def on_task_begin(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
         """The launch's start-up and initial evaluation, at its first task (a resumed finished run trains none and
-        adds none: its files stay those of the last task checkpoint), then a new peak-memory window."""
+        adds none: its files stay those of the last task checkpoint), with the extra storage of the checkpoint it
+        resumed from; then a new peak-memory window."""
+        if self._restored is not None:  # the restored checkpoint's own task: its extra storage, not recorded in it
+            if self.records and self.records[-1].extra_storage_bytes is None:
+                self.records[-1].extra_storage_bytes = stored_method_bytes(self._restored)
+            self._restored = None
         if self._launch_pending:
             learner = kwargs["learner"]
             self.run.startup_seconds += time.time() - learner.started_at - learner.initial_eval_seconds
@@ -450,7 +516,8 @@ class ComputeCallback(TaskCallback):
         samples, macs, measured = trained_counts(trainer)
         record = TaskCompute(kwargs["context"].task.name, trainer.state.global_step,
                              global_batch_size(trainer.args.to_dict()), samples, macs, macs_measured=measured,
-                             step_shapes=len(trainer.step_meter.macs_per_step))
+                             step_shapes=len(trainer.step_meter.macs_per_step),
+                             median_step_seconds=trainer.step_meter.median_step_seconds)
         record.trainable_parameters, record.total_parameters = self._parameters
         record.seconds = kwargs["context"].phase_seconds  # the loop's clock: later phases land here too
         self.records.append(record)
@@ -459,10 +526,17 @@ class ComputeCallback(TaskCallback):
         learner, record = kwargs["learner"], self.records[-1]
         record.peak_rss_bytes, record.peak_cuda_bytes = peak_memory()
         record.method_state_bytes = {method.name: state_bytes(method.state_dict()) for method in learner.methods}
+        if not learner.writes_checkpoints and is_main_process():  # else measured in the checkpoint, once written
+            record.extra_storage_bytes = saved_method_bytes(learner.methods)
         learner.results.cost = [asdict(record) for record in self.records]
 
     def on_checkpoint_saved(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
+        if self.records:
+            self.records[-1].extra_storage_bytes = stored_method_bytes(kwargs["folder"])
         kwargs["learner"].results.cost = [asdict(record) for record in self.records]  # with the checkpoint's time
+
+    def on_restore(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
+        self._restored = Path(kwargs["folder"])
 
     def on_save(self, args: ContinualArguments, state: StreamState, control: StreamControl, **kwargs: Any) -> None:
         save_compute(self.records, kwargs["folder"], self.run)  # for readers; a resume reads `state_dict`

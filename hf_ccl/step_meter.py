@@ -1,9 +1,12 @@
-"""What one process's training steps of a task did: the rows it batched and the multiply-accumulates (MACs) of its
-optimizer steps, measured (`StepMeter`, kept by `hf_ccl.trainer.ContinualTrainer`, read by `hf_ccl.compute`)."""
+"""What one process's training steps of a task did: the rows it batched, the multiply-accumulates (MACs) of its
+optimizer steps and their wall time, measured (`StepMeter`, kept by `hf_ccl.trainer.ContinualTrainer`, read by
+`hf_ccl.compute`)."""
 
 from __future__ import annotations
 
 import contextlib
+import statistics
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -36,7 +39,12 @@ class StepMeter:
     `batch` counts every micro-batch the Trainer hands over. `step` wraps an optimizer step's forward and backward:
     the first step of each `step_shape` runs under `FlopCounterMode` (which counts the backward too), and so do the
     methods' hooks around its optimizer step (`hooks`); every later step of that shape counts the MACs the first one
-    measured. The counts are this process's: `hf_ccl.compute` sums them over processes."""
+    measured. The counts are this process's: `hf_ccl.compute` sums them over processes.
+
+    Wall time per optimizer step (`step_seconds`): from the start of one step's forward to the start of the next's,
+    so everything a step costs (loading and collating its batches, forward, backward, the methods' hooks, the
+    optimizer) and nothing twice; a task of n steps has n - 1 such intervals (a resumed task: those of each launch).
+    `median_step_seconds` is their median, robust to the occasional step that also logs or saves."""
 
     def __init__(self) -> None:
         self.samples = 0
@@ -47,6 +55,9 @@ class StepMeter:
         #: Shapes whose MACs are an estimate (a compiled model: `FlopCounterMode` would make dynamo run it eagerly).
         self.estimated: set[str] = set()
         self._measuring: str | None = None  # the shape whose first step is being measured
+        #: Wall seconds from each optimizer step's start to the next's (this task, every launch of it).
+        self.step_seconds: list[float] = []
+        self._last_start: float | None = None  # perf_counter at the last step's start (this launch)
 
     def batch(self, batch: Mapping[str, Any]) -> None:
         self.samples += batch_rows(batch)
@@ -56,6 +67,10 @@ class StepMeter:
         """Around one optimizer step's forward and backward over its micro-batches `chunks`. `estimate`: for a
         compiled model, a function of the chunks giving the step's MACs without running it (the step itself runs
         compiled, unmeasured; the shape is marked estimated)."""
+        now = time.perf_counter()
+        if self._last_start is not None:
+            self.step_seconds.append(now - self._last_start)
+        self._last_start = now
         key = step_shape(chunks)
         self.steps[key] = self.steps.get(key, 0) + 1
         self._measuring = None
@@ -100,9 +115,15 @@ class StepMeter:
         """Whether every step's MACs were measured (none estimated, none from before a resume without counts)."""
         return not self.unmeasured_steps and not self.estimated
 
+    @property
+    def median_step_seconds(self) -> float | None:
+        """Median wall seconds per optimizer step (None before two steps)."""
+        return statistics.median(self.step_seconds) if self.step_seconds else None
+
     def state_dict(self) -> dict[str, Any]:
         return {"samples": self.samples, "steps": dict(self.steps), "macs_per_step": dict(self.macs_per_step),
-                "unmeasured_steps": self.unmeasured_steps, "estimated": sorted(self.estimated)}
+                "unmeasured_steps": self.unmeasured_steps, "estimated": sorted(self.estimated),
+                "step_seconds": list(self.step_seconds)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.samples = int(state["samples"])
@@ -110,3 +131,4 @@ class StepMeter:
         self.macs_per_step = {str(key): float(value) for key, value in state["macs_per_step"].items()}
         self.unmeasured_steps = int(state.get("unmeasured_steps", 0))
         self.estimated = {str(key) for key in state.get("estimated", [])}
+        self.step_seconds = [float(value) for value in state.get("step_seconds", [])]

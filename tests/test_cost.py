@@ -16,10 +16,13 @@ import torch
 from huggingface_hub import ModelCard
 from torch.utils.flop_counter import FlopCounterMode
 
+from hf_ccl import compute
 from hf_ccl.cli import main
 from hf_ccl.compute import (
     METHOD_PHASES,
+    METHOD_STATE_STEM,
     PHASES,
+    ComputeCallback,
     TaskCompute,
     compute_summary,
     cost_table,
@@ -30,10 +33,14 @@ from hf_ccl.compute import (
     reset_peak_memory,
     run_cost,
     run_cost_cells,
+    saved_method_bytes,
     state_bytes,
+    stored_method_bytes,
     trainable_parameter_count,
 )
 from hf_ccl.evaluation.matrix import ResultsMatrix
+from hf_ccl.methods import build_methods, save_method_states
+from hf_ccl.methods.state import STATE_JSON, STATE_STEM, STATE_TENSORS
 from hf_ccl.step_meter import StepMeter, batch_rows, step_shape
 from hf_ccl.testing import tiny_clip
 
@@ -57,20 +64,27 @@ def test_state_bytes_by_hand():
 
 
 def test_run_cost_of_two_tasks_by_hand_and_its_mean_over_seeds():
-    def record(task: str, seconds: dict[str, float], rss: int, trainable: int, state: dict[str, int]) -> TaskCompute:
-        return TaskCompute(task, 10, 4, 40, 1.2e8, seconds, rss, None, trainable, 100, state, macs_measured=True)
+    def record(task: str, seconds: dict[str, float], rss: int, trainable: int, state: dict[str, int],
+               step: float | None, storage: int | None) -> TaskCompute:
+        return TaskCompute(task, 10, 4, 40, 1.2e8, seconds, rss, None, trainable, 100, state, macs_measured=True,
+                           median_step_seconds=step, extra_storage_bytes=storage)
 
-    records = [record("a", {"train": 2.0, "eval": 1.0, "task_end": 0.5}, 300, 50, {"ewc": 10}),
+    records = [record("a", {"train": 2.0, "eval": 1.0, "task_end": 0.5}, 300, 50, {"ewc": 10}, 0.25, 1000),
                record("b", {"train": 3.0, "eval": 1.5, "task_start": 0.25, "checkpoint": 0.75}, 200, 60,
-                      {"ewc": 20, "er": 4})]
+                      {"ewc": 20, "er": 4}, 0.5, 3000),
+               record("c", {"train": 1.0}, 100, 60, {"ewc": 20, "er": 4}, 0.125, 2000)]
     cost = run_cost(records)
-    assert cost == {"wall_s": 9.0, "train_s": 5.0, "eval_s": 2.5, "methods_s": 0.75, "peak_rss_bytes": 300,
-                    "peak_cuda_bytes": None, "trainable_parameters": 60, "method_state_bytes": 24, "samples": 80,
-                    "macs": 2.4e8}
-    other = dict(cost, wall_s=11.0, peak_rss_bytes=500)
+    # time/step: the median of the tasks' medians (0.125, 0.25, 0.5); extra storage: the largest on disk
+    assert cost == {"wall_s": 10.0, "train_s": 6.0, "eval_s": 2.5, "methods_s": 0.75, "peak_rss_bytes": 300,
+                    "peak_cuda_bytes": None, "trainable_parameters": 60, "method_state_bytes": 24, "samples": 120,
+                    "macs": 3.6e8, "step_s": 0.25, "extra_storage_bytes": 3000}
+    other = dict(cost, wall_s=12.0, peak_rss_bytes=500, step_s=0.5)
     mean = mean_run_cost([cost, other])
-    assert mean["wall_s"] == 10.0 and mean["peak_rss_bytes"] == 400 and mean["peak_cuda_bytes"] is None
-    assert run_cost_cells(mean) == "10.0 | 5.0 | 2.5 | 0.8 | 400 B | 60 | 24 B | 80 | 2.40e+08"
+    assert mean["wall_s"] == 11.0 and mean["peak_rss_bytes"] == 400 and mean["peak_cuda_bytes"] is None
+    assert run_cost_cells(mean) == "11.0 | 6.0 | 2.5 | 0.8 | 0.375 | 400 B | 60 | 2.9 KiB | 120 | 3.60e+08"
+    # a cost recorded before these columns existed (older results) shows them as missing
+    old = {key: value for key, value in cost.items() if key not in ("step_s", "extra_storage_bytes")}
+    assert run_cost_cells(mean_run_cost([old])) == "10.0 | 6.0 | 2.5 | 0.8 | - | 300 B | 60 | - | 120 | 3.60e+08"
 
 
 def test_peak_memory_sees_an_allocation_after_the_reset():
@@ -137,6 +151,48 @@ def test_step_meter_counts_rows_and_each_shapes_measured_forward_and_backward():
     assert restored.macs == pytest.approx(meter.macs * (1 + 2 / 4))
 
 
+def test_step_meter_times_each_step_from_its_start_to_the_next_ones():
+    meter, batch = StepMeter(), _batch(2, 7)
+    assert meter.median_step_seconds is None
+    for pause in (0.0, 0.05, 0.01, 0.02):  # the pause before each step is part of the previous step's time
+        time.sleep(pause)
+        with meter.step([batch]):
+            pass
+    assert len(meter.step_seconds) == 3  # 4 steps, 3 intervals
+    assert [round(value, 2) for value in meter.step_seconds] == pytest.approx([0.05, 0.01, 0.02], abs=0.01)
+    assert meter.median_step_seconds == sorted(meter.step_seconds)[1]
+    restored = StepMeter()
+    restored.load_state_dict(json.loads(json.dumps(meter.state_dict())))  # a mid-task checkpoint keeps them ...
+    with restored.step([batch]):
+        pass
+    assert restored.step_seconds == meter.step_seconds  # ... and the first step after a resume starts a new interval
+
+
+def test_extra_storage_is_the_method_state_files_on_disk(tmp_path, monkeypatch):
+    """What a run without checkpoints measures in a temporary folder is what a checkpoint's files take."""
+    (method,) = build_methods(["wise_ft"])
+    method.finetuned = {"w": torch.zeros(100, 3)}  # 1,200 bytes of tensor
+    save_method_states([method], tmp_path)
+    on_disk = sum((tmp_path / name).stat().st_size for name in (STATE_JSON, STATE_TENSORS))
+    assert stored_method_bytes(tmp_path) == saved_method_bytes([method]) == on_disk > 1200
+    assert stored_method_bytes(tmp_path / "nothing") == 0
+    assert METHOD_STATE_STEM == STATE_STEM
+    # A run resumed from this checkpoint fills in its task's extra storage (which the checkpoint could not hold)
+    # once it trains on; a finished run resumed only to rewrite its files keeps them as the checkpoint has them.
+    callback = ComputeCallback()
+    callback.records = [TaskCompute("t", 1, 2, 2, 6.0)]
+    callback.on_restore(None, None, None, folder=tmp_path)
+    assert callback.records[0].extra_storage_bytes is None
+    callback.on_task_begin(None, None, None)
+    assert callback.records[0].extra_storage_bytes == on_disk
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(compute, "save_states", full_disk)
+    assert saved_method_bytes([method]) is None  # unmeasured, and the run goes on
+
+
 TINY_RUN = ["model.config.hidden_size=32", "model.config.num_layers=1", "stream_args.max_train_per_task=20",
             "stream_args.max_eval_per_task=8", "training.num_train_epochs=1", "training.per_device_train_batch_size=8",
             "methods=[ewc]", "progress=false"]
@@ -174,13 +230,17 @@ def test_every_task_records_its_cost(ewc_run):
         assert record["macs_measured"] and record["macs"] > 0 and record["step_shapes"] >= 2
         assert record["trainable_parameters"] == record["total_parameters"] > 0
         assert record["peak_rss_bytes"] > 0
+        # 3 steps: 2 intervals from one step's start to the next's, within the task's training time
+        assert 0 < record["median_step_seconds"] < seconds["train"]
+        assert record["extra_storage_bytes"] == stored_method_bytes(output_dir / f"task-{index}") > (
+            record["method_state_bytes"]["ewc"])  # the files: the tensors, their JSON and the config
         typed = TaskCompute.from_dict(record)
         assert typed.wall_seconds == pytest.approx(sum(seconds.values()))
         assert typed.method_seconds == pytest.approx(sum(seconds[phase] for phase in METHOD_PHASES))
         # EWC keeps a Fisher diagonal and an anchor of every trained parameter (float32)
         assert record["method_state_bytes"]["ewc"] >= 2 * 4 * record["trainable_parameters"]
         own = json.loads((output_dir / f"task-{index}" / "compute.json").read_text())["tasks"][index]
-        assert "checkpoint" not in own["seconds"]  # the task's own checkpoint is written after it
+        assert "checkpoint" not in own["seconds"] and own["extra_storage_bytes"] is None  # written after it
         assert own["seconds"]["train"] == seconds["train"] and own["samples_seen"] == 20
 
 
@@ -214,6 +274,7 @@ def test_cost_reaches_results_json_markdown_the_card_and_the_summary(ewc_run):
     for text in ((output_dir / "results.md").read_text(), ModelCard.load(output_dir / "task-4" / "README.md").content):
         assert "| start-up |" in text and "| initial evaluation |" in text and "| **total** |" in text
         assert "peak RSS" in text and "~" not in text.split("| **total** |")[1].split("\n")[0]
+        assert "| time/step (s) |" in text and "| extra storage |" in text
     assert "start-up:" in printed and "initial evaluation:" in printed and "Cost per task" in printed
     assert "digits-89: 20 samples (3 steps of up to 8)" in printed
 

@@ -209,7 +209,8 @@ class Patching(ContinualMethod[PatchingConfig]):
     test_options = {"validation_size": 4}  # a whole batch of 64 still trains on 68-example tasks
     same_step_as = "finetune"
     config_class = PatchingConfig
-    roles = {"previous_model": "interpolates each task's fine-tuned model with the previous task's"}
+    roles = {"previous_model": "interpolates each task's fine-tuned model with the previous task's",
+             "weight_interpolation": "deploys an interpolation of each task's fine-tuned model with the previous task's"}
 
     def __init__(self, config: PatchingConfig | dict[str, Any] | None = None):
         super().__init__(config)
