@@ -108,6 +108,9 @@ NOT_COMPARED = {
                                  "compared on a language stream in benchmarks/languages.py (cllclip's terms replace "
                                  "the class-prompt cross-entropy)",
     "learner_heads": "CMCL's modality-pair family on frozen features; see benchmarks/cmcl_pairs.py",
+    "lada": "its own loss replaces the class-prompt cross-entropy every method here trains with, and it is a "
+            "task-agnostic method (class_scope seen/all); to be compared on the X-TAIL protocol (xtail-bundled), not run "
+            "yet",
     "rail": "trains nothing (a closed-form regression on the frozen model's features, no optimizer step, so no step "
             "time or budget to compare); not run in this table yet",
 }
