@@ -291,7 +291,11 @@ class LoRA(ContinualMethod[LoRAMethodConfig]):
             base = str(run_folder(context) / f"task-{index - 1}")
         self.base_models[index] = base
         inject_lora(model, self.peft_config(index), adapter_name(index))
-        freeze_base(model, self.config.trainable, is_own=lambda name: ".lora_" in name)
+        freeze_base(model, self.trainable_patterns(model), is_own=lambda name: ".lora_" in name)
+
+    def trainable_patterns(self, model: nn.Module) -> list[str]:  # noqa: ARG002 - subclasses read the model
+        """fnmatch patterns of the base parameters that train beside the adapter (`trainable`)."""
+        return list(self.config.trainable)
 
     def after_training(self, context: TaskContext) -> None:
         model = context.model
