@@ -106,6 +106,9 @@ def test_defaults_variants_and_refused_options():
             build_methods(["c_clip"], {"c_clip": bad})
     with pytest.raises(ConfigError, match="cannot be combined"):
         build_methods(["c_clip", "lora"])  # two adapters per task: each would freeze the other's
+    with pytest.raises(ConfigError, match=r"method_args\.c_clip\.r=16 exceeds the rank") as refused:
+        CCLIP().check_model(tiny_clip(hidden_size=8, projection_dim=8, num_heads=2))
+    assert refused.value.key == "method_args.c_clip.r"
 
 
 # ----- Eq. 2 ---------------------------------------------------------------------------------------------------------
@@ -265,3 +268,33 @@ def test_checkpoints_load_in_plain_transformers_and_equal_the_adapter_on_the_pre
                             timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "plain ok False" in result.stdout
+
+
+@pytest.mark.slow  # two short runs with Trainer checkpoints: about 15 s
+def test_resuming_mid_task_continues_the_adapter_and_the_projector(tmp_path):
+    """A task resumed from the Trainer's mid-task checkpoint (the injected adapter in the model, the projector in
+    the method state) ends with exactly the model of an uninterrupted run."""
+    import shutil
+
+    from hf_ccl.continual import ContinualArguments, ContinualLearner
+    from hf_ccl.data import load_image_processor, load_tokenizer
+
+    stream = build_stream("digits", max_train_per_task=64, max_eval_per_task=20)
+    stream.tasks = stream.tasks[:2]
+    training = {"max_steps": 4, "per_device_train_batch_size": 16, "learning_rate": 1e-2, "save_strategy": "steps",
+                "save_steps": 2}
+
+    def fit(resume):
+        args = ContinualArguments(output_dir=str(tmp_path), training=training, progress=False,
+                                  evaluation={"batch_size": 64}, resume_from_checkpoint=resume,
+                                  keep_trainer_checkpoints=True)
+        methods = build_methods(["c_clip"], {"c_clip": {**SMALL, "dropout": 0.0}})
+        learner = ContinualLearner(tiny_clip(), stream, methods, load_image_processor(32), load_tokenizer(), args)
+        learner.fit()
+        return learner.model.state_dict()
+
+    weights = fit(None)
+    shutil.rmtree(tmp_path / "task-1")  # stopped in task 1, after its Trainer checkpoint at step 2
+    shutil.rmtree(tmp_path / "trainer" / "task-1" / "checkpoint-4")
+    for key, value in fit(True).items():
+        assert torch.equal(value, weights[key]), key

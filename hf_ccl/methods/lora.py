@@ -266,7 +266,7 @@ class LoRA(ContinualMethod[LoRAMethodConfig]):
         """`r` may not exceed the rank of the layers it adapts (min(d_in, d_out) of the smallest targeted linear):
         B A has at most that rank, so a larger r adds parameters and memory, not expressiveness. The targets must
         match a layer of the model."""
-        key = "method_args.lora"
+        key = f"method_args.{self.name}"
         pattern = re.compile(target_module_regex(self.config.towers, self.config.target_modules))
         targets = {name: module for name, module in model.named_modules()
                    if isinstance(module, nn.Linear) and pattern.fullmatch(name.removesuffix(".base_layer"))}
