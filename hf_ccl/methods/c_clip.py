@@ -280,14 +280,14 @@ class CCLIP(LoRA):
         self.in_task = True
 
     def trainable_patterns(self, model: nn.Module) -> list[str]:
-        return [*self.config.trainable, *getattr(self, "_extra_trainable", [])]
+        return [*self.config.trainable, *self._extra_trainable]
 
     def optimizer_parameters(self) -> list[nn.Parameter]:
         return list(self.projector.parameters()) if self.projector is not None and self.config.ckc_weight else []
 
     def after_training(self, context: TaskContext) -> None:
-        """Fold the task in at alpha (Eq. 2): scale B by alpha, merge, move trained base parameters back towards
-        their task-start values; then drop the projector (it served this task only)."""
+        """Fold the task in at alpha (Eq. 2): move trained base parameters back towards their task-start values,
+        scale B by alpha, merge; the projector then leaves the method state (it served this task only)."""
         model = context.model
         alpha = self.config.merge_alpha
         name = adapter_name(context.task_index)
