@@ -106,6 +106,9 @@ def test_defaults_variants_and_refused_options():
             build_methods(["c_clip"], {"c_clip": bad})
     with pytest.raises(ConfigError, match="cannot be combined"):
         build_methods(["c_clip", "lora"])  # two adapters per task: each would freeze the other's
+    with pytest.raises(ConfigError, match="Put 'c_clip' after 'grow_vocab'"):
+        build_methods(["c_clip", "grow_vocab"])  # the old model must read the grown vocabulary
+    assert [m.name for m in build_methods(["grow_vocab", "c_clip", "er"])] == ["grow_vocab", "c_clip", "er"]
     with pytest.raises(ConfigError, match=r"method_args\.c_clip\.r=16 exceeds the rank") as refused:
         CCLIP().check_model(tiny_clip(hidden_size=8, projection_dim=8, num_heads=2))
     assert refused.value.key == "method_args.c_clip.r"

@@ -246,6 +246,8 @@ class CCLIP(LoRA):
         "previous_model": "adapts the previous task's model and consolidates its features",
         "parameter_efficient": "freezes the model but for its adapter (and `trainable`) during each task",
     }
+    runs_after = {"vocabulary": "snapshots the model at task start as its old model, which must read the same tokens "
+                  "as the student"}
 
     def __init__(self, config: CCLIPConfig | dict[str, Any] | None = None):
         super().__init__(config)
