@@ -41,6 +41,11 @@ DEFAULT_ARGS: dict[str, Any] = {
 }
 #: What each bundled recipe changes in them (`training`: the options it changes), recorded the same way.
 RECIPE_ARGS: dict[str, dict[str, Any]] = {
+    "c_clip-flickr8k-random5": {
+        "output_dir": "outputs/c_clip-flickr8k-random5", "first_task_epochs": 10,
+        "training": {"num_train_epochs": 5, "per_device_train_batch_size": 128, "learning_rate": 0.0005,
+                     "weight_decay": 0.2, "warmup_steps": 0.125, "adam_beta2": 0.99},
+    },
     "cllclip-flickr8k-languages": {
         "output_dir": "outputs/cllclip-teir-flickr8k-languages",
         "training": {"num_train_epochs": 3, "per_device_train_batch_size": 128, "learning_rate": 0.0005,

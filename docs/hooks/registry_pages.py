@@ -30,7 +30,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 METHOD_FAMILIES: dict[str, tuple[str, str]] = {}
 for _page, _title, _names in (
     ("baselines", "Baselines", "finetune joint sequential"),
-    ("distillation", "Distillation", "modx ctp lwf zscl"),
+    ("distillation", "Distillation", "modx ctp lwf zscl c_clip"),
     ("regularisation", "Regularisation", "ewc si mas"),
     ("replay", "Replay", "er der derpp"),
     ("projection", "Gradient projection", "gem agem dns"),

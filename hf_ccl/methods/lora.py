@@ -266,7 +266,7 @@ class LoRA(ContinualMethod[LoRAMethodConfig]):
         """`r` may not exceed the rank of the layers it adapts (min(d_in, d_out) of the smallest targeted linear):
         B A has at most that rank, so a larger r adds parameters and memory, not expressiveness. The targets must
         match a layer of the model."""
-        key = "method_args.lora"
+        key = f"method_args.{self.name}"
         pattern = re.compile(target_module_regex(self.config.towers, self.config.target_modules))
         targets = {name: module for name, module in model.named_modules()
                    if isinstance(module, nn.Linear) and pattern.fullmatch(name.removesuffix(".base_layer"))}
@@ -291,7 +291,11 @@ class LoRA(ContinualMethod[LoRAMethodConfig]):
             base = str(run_folder(context) / f"task-{index - 1}")
         self.base_models[index] = base
         inject_lora(model, self.peft_config(index), adapter_name(index))
-        freeze_base(model, self.config.trainable, is_own=lambda name: ".lora_" in name)
+        freeze_base(model, self.trainable_patterns(model), is_own=lambda name: ".lora_" in name)
+
+    def trainable_patterns(self, model: nn.Module) -> list[str]:  # noqa: ARG002 - subclasses read the model
+        """fnmatch patterns of the base parameters that train beside the adapter (`trainable`)."""
+        return list(self.config.trainable)
 
     def after_training(self, context: TaskContext) -> None:
         model = context.model
