@@ -149,11 +149,15 @@ def test_the_checkpoint_weights_are_the_starting_model_and_the_experts_are_in_th
     assert all(value > 0 for value in state["rescalers"])
 
 
-def _scores_by_hand(model, task, tokenizer, image_processor, weights_of) -> float:
-    """Accuracy of `task` from every variant's own image and class embeddings, mixed with `weights_of(frozen)`."""
+def _scores_by_hand(model, task, tokenizer, image_processor, weights_of, names=None) -> float:
+    """Accuracy of `task` from every variant's own image and class embeddings, mixed with `weights_of(frozen)`,
+    among the task's classes or among `names`."""
     experts = getattr(model, MODULE)
-    names, templates = list(task.class_names), list(task.eval_templates or DEFAULT_TEMPLATES)
+    templates = list(task.eval_templates or DEFAULT_TEMPLATES)
     labels = torch.tensor(list(iter_column(task.eval, "label")))
+    if names is not None:
+        labels = torch.tensor([names.index(task.class_names[label]) for label in labels.tolist()])
+    names = list(names or task.class_names)
 
     def embed() -> tuple[torch.Tensor, torch.Tensor]:
         images = encode_images(model, image_processor, iter_column(task.eval, "image"))
@@ -194,6 +198,13 @@ def test_results_are_the_experts_and_semantic_voting_and_load_condu_model_gives_
         assert row[name]["accuracy"] == pytest.approx(by_hand, abs=1e-4), name
         evaluated = evaluate_task(model, tasks[name], image_processor, tokenizer)
         assert evaluated["accuracy"] == pytest.approx(row[name]["accuracy"], abs=1e-4), name
+    # among every class of the stream (X-TAIL's class_scope "all"): no task identity, semantic voting for all
+    every = list(dict.fromkeys(name for task in tasks.values() for name in task.class_names))
+    scoped = evaluate_task(model, tasks["digits"], image_processor, tokenizer, seen_class_names=every,
+                           class_scope="all")
+    assert scoped["accuracy"] == pytest.approx(row["digits"]["accuracy"], abs=1e-4)
+    assert scoped["all_accuracy"] == pytest.approx(
+        _scores_by_hand(model, tasks["digits"], tokenizer, image_processor, voting, names=every), abs=1e-4)
     # inference="agnostic": semantic voting for the learned tasks too
     getattr(model, MODULE).inference = "agnostic"
     agnostic = evaluate_task(model, tasks["digits"], image_processor, tokenizer)["accuracy"]

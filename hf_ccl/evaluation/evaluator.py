@@ -108,14 +108,15 @@ def evaluate_classification(model: torch.nn.Module, task: Task, setup: EvalSetup
             return zero_shot_classifier(model, names, templates, tokenizer, batch_size=batch_size,
                                         max_length=max_length)
 
-        candidates = [class_names] if seen_labels is None else [class_names, seen]
-        voted = ensemble_scores(model, ensemble, task.name,
+        candidates = [(class_names, task.name)] + ([] if seen_labels is None else [(seen, None)])  # no task id
+        voted = ensemble_scores(model, ensemble,
                                 lambda: _encode_eval_images(model, task, image_processor, batch_size, None),
                                 embed, candidates)
         if voted is not None:
             metrics = accuracy_from_scores(voted[0], labels)
             if seen_labels is not None:
-                metrics.update({f"seen_{name}": value for name, value in accuracy_from_scores(voted[1], seen_labels).items()})
+                scoped = accuracy_from_scores(voted[1], seen_labels)
+                metrics.update({f"{setup.class_scope}_{name}": value for name, value in scoped.items()})
             return metrics
 
     router = evaluation_router(model)

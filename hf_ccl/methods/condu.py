@@ -16,7 +16,8 @@ task. Every task fine-tunes the whole model from the model before the first task
 
 Inference (`ConDUExperts`, scored by the evaluator's ensemble hook, `hf_ccl.evaluation.ensemble`):
 - a learned task, with task identity (`inference="task_identity"`, MTIL): its decoupled expert θ0 + δ̂_t, both towers;
-- otherwise (a task not learned yet, or every task with `inference="agnostic"`), **semantic voting**: each image's
+- otherwise (a task not learned yet, every task with `inference="agnostic"`, and every task's scores among the seen
+  or all classes, `class_scope: seen | all`, which give no task identity: X-TAIL), **semantic voting**: each image's
   similarity to a learned task is its largest cosine to that task's prototypes (frozen θ0 image embedding); the
   class scores are the mean of the cosine scores of θ0 and of the `top_k` most similar tasks' experts
   (`semantic_voting_weights`).
@@ -203,9 +204,10 @@ class ConDUExperts(nn.Module):
         super().__init__()
         self.store, self.inference, self.top_k = store, inference, int(top_k)
 
-    def ensemble_weights(self, frozen_image_embeds: torch.Tensor, task_name: str) -> torch.Tensor | None:
-        """None before the first task; a learned task's own expert with `inference="task_identity"`; else semantic
-        voting (`semantic_voting_weights`)."""
+    def ensemble_weights(self, frozen_image_embeds: torch.Tensor, task_name: str | None) -> torch.Tensor | None:
+        """None before the first task; a learned task's own expert with `inference="task_identity"` when the task is
+        known (`task_name`; None under the task-agnostic class scopes, X-TAIL's); else semantic voting
+        (`semantic_voting_weights`)."""
         store = self.store
         if not store.tasks:
             return None
@@ -285,6 +287,8 @@ class ConDU(ContinualMethod[ConDUConfig]):
         "weight_interpolation": "deploys the model before the first task with its experts, not an interpolation",
         "fresh_model": "fine-tunes every task from the model before the first task, not from a fresh one",
         "vocabulary": "fuses task vectors of equal shapes: a grown vocabulary changes the embedding's",
+        "class_scorer": "the evaluator scores a ConDU model through its experts' ensemble, which would ignore "
+                        "another method's class scorer",
     }
     checkpoint_loader = CheckpointLoader(
         module=__name__, function="load_condu_model",
