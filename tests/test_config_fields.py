@@ -122,6 +122,11 @@ RECIPE_ARGS: dict[str, dict[str, Any]] = {
         "training": {"num_train_epochs": 3, "per_device_train_batch_size": 64, "optim": "sgd", "learning_rate": 5.0,
                      "weight_decay": 0.0, "warmup_steps": 0},
     },
+    "lada-mtil-bundled": {
+        "output_dir": "outputs/lada-mtil-bundled", "class_scope": "seen",
+        "training": {"num_train_epochs": 3, "per_device_train_batch_size": 64, "learning_rate": 0.001,
+                     "weight_decay": 0.0, "warmup_steps": 0.1, "lr_scheduler_type": "cosine"},
+    },
     "moe_adapters-mtil-bundled": {
         "output_dir": "outputs/moe_adapters-mtil-bundled", "classification_loss": "cross_entropy",
         "training": {"num_train_epochs": 3, "per_device_train_batch_size": 64, "learning_rate": 0.01},
