@@ -176,7 +176,7 @@ def test_options_refused_where_they_cannot_apply(tmp_path):
                          args)
 
 
-RECIPES = ["finetune", "lwf", "wise_ft", "zscl", "moe_adapters", "er", "diki"]
+RECIPES = ["finetune", "lwf", "wise_ft", "zscl", "moe_adapters", "er", "diki", "condu"]
 
 
 @pytest.mark.parametrize("method", RECIPES)

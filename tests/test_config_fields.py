@@ -144,6 +144,10 @@ RECIPE_ARGS: dict[str, dict[str, Any]] = {
         "class_scope": "all",
         "training": {"num_train_epochs": 5, "per_device_train_batch_size": 64, "learning_rate": 0.0005},
     },
+    "condu-mtil-bundled": {
+        "output_dir": "outputs/condu-mtil-bundled", "classification_loss": "cross_entropy",
+        "training": {"num_train_epochs": 3, "per_device_train_batch_size": 64, "learning_rate": 0.0005},
+    },
     "zscl-mtil-bundled": {
         "output_dir": "outputs/zscl-mtil-bundled", "classification_loss": "cross_entropy",
         "training": {"num_train_epochs": 3, "per_device_train_batch_size": 64, "learning_rate": 0.0005},

@@ -36,7 +36,7 @@ for _page, _title, _names in (
     ("projection", "Gradient projection", "gem agem dns"),
     ("tic", "TiC-CLIP data strategies", "cumulative_all cumulative_exp cumulative_equal restart oracle patching"),
     ("parameter-efficient", "Parameter-efficient", "lora prompt moe_adapters diki"),
-    ("weight-space", "Weight-space ensembles", "wise_ft weight_ensemble magmax"),
+    ("weight-space", "Weight-space ensembles", "wise_ft weight_ensemble magmax condu"),
     ("language", "New languages", "grow_vocab cllclip teir"),
     ("pairs", "Modality pairs", "learner_heads"),
 ):

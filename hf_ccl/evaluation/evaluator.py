@@ -17,6 +17,7 @@ from ..data.task import EvalSetup, Task
 from .cache import CacheSession, EmbeddingCache
 from .checks import NonFiniteEmbeddingError
 from .encode import encode_images, encode_texts
+from .ensemble import ensemble_scores, evaluation_ensemble
 from .retrieval import captions_to_text_to_image, recall_at_k, unique_texts
 from .routing import EvaluationRouter, evaluation_router, route_groups, routing_metrics
 from .scoring import evaluation_scorer
@@ -100,6 +101,23 @@ def evaluate_classification(model: torch.nn.Module, task: Task, setup: EvalSetup
             seen_metrics = accuracy(image_embeds, seen_labels[rows], seen, f"{setup.class_scope}-classes")
             metrics.update({f"{setup.class_scope}_{name}": value for name, value in seen_metrics.items()})
         return metrics
+
+    ensemble = evaluation_ensemble(model)  # ConDU's task experts and semantic voting (`hf_ccl.evaluation.ensemble`)
+    if ensemble is not None:
+        def embed(names: list[str]) -> torch.Tensor:
+            return zero_shot_classifier(model, names, templates, tokenizer, batch_size=batch_size,
+                                        max_length=max_length)
+
+        candidates = [(class_names, task.name)] + ([] if seen_labels is None else [(seen, None)])  # no task id
+        voted = ensemble_scores(model, ensemble,
+                                lambda: _encode_eval_images(model, task, image_processor, batch_size, None),
+                                embed, candidates)
+        if voted is not None:
+            metrics = accuracy_from_scores(voted[0], labels)
+            if seen_labels is not None:
+                scoped = accuracy_from_scores(voted[1], seen_labels)
+                metrics.update({f"{setup.class_scope}_{name}": value for name, value in scoped.items()})
+            return metrics
 
     router = evaluation_router(model)
     if router is not None:
