@@ -12,11 +12,11 @@ and scored task-aware by zero-shot accuracy (its eval templates) on a stratified
 
 Methods (`--methods`, default all), by family:
 
-    continual pre-training   finetune, joint; distillation: modx, ctp, lwf; regularisation: ewc, si, mas;
+    continual pre-training   finetune, joint; distillation: modx, ctp, lwf, c_clip; regularisation: ewc, si, mas;
                              replay: er, derpp; gradient projection: dns, gem, agem; TiC-CLIP's data strategies:
                              cumulative_all, cumulative_exp, cumulative_equal, restart, oracle, patching;
                              parameter-efficient: lora, prompt
-    downstream               zscl, moe_adapters, wise_ft, weight_ensemble, diki
+    downstream               zscl, moe_adapters, wise_ft, weight_ensemble, diki, condu
     model merging            magmax
 
 Per method and stream (mean ± std over (order, seed) pairs): Last, Avg. and Transfer as ZSCL's `mtil/results.ipynb`
@@ -96,7 +96,8 @@ FAMILIES = {
     "patching": "TiC data strategy",
     "lora": "parameter-efficient", "prompt": "parameter-efficient",
     "zscl": "downstream", "moe_adapters": "downstream", "wise_ft": "downstream", "weight_ensemble": "downstream",
-    "diki": "downstream",
+    "c_clip": "distillation",
+    "diki": "downstream", "condu": "downstream",
     "magmax": "model merging",
 }
 METHODS = ",".join(FAMILIES)
@@ -144,6 +145,10 @@ WHY = {
     "weight_ensemble": "ZSCL's weight ensemble alone, every ~1/10 task",
     "diki": "residual attention prompts in the first 8 layers of both towers, likelihood routing and calibration "
             "(the official code's settings), `--diki-lr`",
+    "c_clip": "LoRA per task (r 16, out_proj/fc1/fc2 of both towers) folded in at alpha 0.5, CKC weight 1 (paper), "
+              "`--lora-lr`",
+    "condu": "each task from the starting model, task vectors unified (sign election, masks, rescalers), task-aware "
+             "experts and semantic voting over the top 4 tasks on unseen ones (official code)",
     "magmax": "sequential fine-tuning, deploy θ_0 + 0.5 x the max-magnitude merge of the task vectors (official λ)",
 }
 PACS_ORDERS = {"I": PACS_DOMAINS, "II": tuple(reversed(PACS_DOMAINS))}
@@ -199,7 +204,7 @@ def family_args(name: str, options) -> dict:
 
 def learning_rate(name: str, options) -> float:
     return {"moe_adapters": options.moe_lr, "lora": options.lora_lr, "prompt": options.prompt_lr,
-            "diki": options.diki_lr}.get(name, options.lr)
+            "diki": options.diki_lr, "c_clip": options.lora_lr}.get(name, options.lr)
 
 
 def budget(stream, options) -> int:
