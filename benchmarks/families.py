@@ -488,14 +488,16 @@ def _positive(kind: type) -> Callable[[str], Any]:
     return parse
 
 
-def parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser(description: str | None = __doc__, streams: dict[str, StreamSpec] = STREAMS,
+           tasks_help: str | None = None) -> argparse.ArgumentParser:
+    """The options; `description`, `streams` and `tasks_help` (what `--tasks` takes) let another benchmark reuse it."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true",
                         help="tiny sizes (a tiny starting model pretrained for a few steps, cached beside the real "
                              f"one under its own hash; {SMOKE['train_per_task']} train / {SMOKE['eval_per_task']} eval images per "
                              "task, one seed, order I): checks that every method runs; options given still win")
     parser.add_argument("--methods", default=METHODS, help="comma-separated methods; default every family's")
-    parser.add_argument("--streams", default=",".join(STREAMS), help=f"comma-separated, of {', '.join(STREAMS)}")
+    parser.add_argument("--streams", default=",".join(streams), help=f"comma-separated, of {', '.join(streams)}")
     parser.add_argument("--train-per-task", type=_positive(int), default=300)
     parser.add_argument("--eval-per-task", type=_positive(int), default=300)
     parser.add_argument("--control-examples", type=_positive(int), default=300)
@@ -530,7 +532,7 @@ def parser() -> argparse.ArgumentParser:
                              "(default %(default)s, pretrain_start's)")
     add_stream_arguments(parser, default_output=str(Path(__file__).parent / "results" / "families"),
                          default_seeds="0,1",
-                         tasks_help="comma-separated task keys in the order given: PACS domains "
+                         tasks_help=tasks_help or "comma-separated task keys in the order given: PACS domains "
                                     f"({', '.join(PACS_DOMAINS)}) for pacs-domains, mtil-heldout keys "
                                     f"({', '.join(MTIL_HELDOUT_TASKS)}) for mtil-heldout; a stream none are named "
                                     "for keeps its orders")

@@ -77,16 +77,11 @@ SMOKE = families.SMOKE
 
 
 def parser():
-    """families.py's options, with this benchmark's stream, methods, orders and output as defaults."""
-    made = families.parser()
-    made.description = __doc__
-    made.set_defaults(methods=METHODS, streams=STREAM, order="I,II", seeds="0,1,2",
+    """families.py's options, with this benchmark's stream, methods, orders, seeds and output as defaults."""
+    made = families.parser(__doc__, STREAMS, tasks_help=f"comma-separated {STREAM} task keys in the order given "
+                                                         f"({', '.join(XTAIL_BUNDLED_TASKS)})")
+    made.set_defaults(methods=METHODS, order="I,II", seeds="0,1,2",
                       output=str(Path(__file__).parent / "results" / "xtail"))
-    for action in made._actions:  # the help of the two options whose meaning changes here
-        if action.dest == "streams":
-            action.help = f"only {STREAM}"
-        elif action.dest == "tasks":
-            action.help = f"comma-separated {STREAM} task keys in the order given ({', '.join(XTAIL_BUNDLED_TASKS)})"
     return made
 
 
