@@ -200,6 +200,7 @@ def family_args(name: str, options) -> dict:
         "prompt": {"ctx_init": "a photo of a", "schedule": "shared"},
         "weight_ensemble": {"every": options.ensemble_every},
         "rail": {"hidden_dim": options.rail_hidden_dim},
+        "lada": {"text_tuning": "adaptformer"},
     }
     if name in own:
         return {name: own[name]}

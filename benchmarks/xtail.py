@@ -55,8 +55,9 @@ WHY = {
                 "class_scope all the loss scores as in seen), the reference of every verdict",
     "rail": "primal form, ridge 0.1 and fusion weight 0.8 (official), a random hidden layer of `--rail-hidden-dim` "
             "units (official 15000); takes no optimizer step",
-    "lada": "the library's defaults (4 memory units per class, GMM distillation, text features tuned), its own "
-            "loss (Eq. 3-4) in place of the cross-entropy, `--lada-lr`",
+    "lada": "the paper's text side (a fresh AdaptFormer on the text tower per task, Appendix B) and the library's "
+            "defaults (4 memory units per class, GMM distillation), as recipe lada-mtil-bundled; its own loss "
+            "(Eq. 3-4) in place of the cross-entropy, `--lada-lr` (the recipe's 1e-3)",
 }
 #: Registered methods this table does not compare, and why (a user may still name them in `--methods`).
 NOT_COMPARED = {

@@ -42,6 +42,7 @@ def test_every_compared_method_builds_with_its_configuration(tmp_path):
         (method,) = build_methods([name], families.family_args(name, options))
         assert method.name == name
     assert families.family_args("rail", options) == {"rail": {"hidden_dim": 64}}
+    assert families.family_args("lada", options) == {"lada": {"text_tuning": "adaptformer"}}  # the paper's text side
     assert families.learning_rate("lada", options) == 0.01
     assert [families.classification_loss(n) for n in ("finetune", "rail", "lada")] == [
         "cross_entropy", "cross_entropy", "contrastive"]  # lada's own terms replace the loss
