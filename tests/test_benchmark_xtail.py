@@ -36,7 +36,8 @@ def test_every_registered_method_is_compared_or_listed_with_a_reason():
 
 def test_every_compared_method_builds_with_its_configuration(tmp_path):
     options = xtail.parse(["--runs-dir", str(tmp_path), "--rail-hidden-dim", "64", "--lada-lr", "0.01"])
-    assert (options.streams, options.order, options.seeds) == (["xtail-bundled"], ["I", "II"], [0, 1, 2])
+    assert (options.streams, options.order, options.seeds) == (["xtail-bundled"], ["I"], [0, 1, 2])
+    assert (options.train_per_task, options.eval_per_task) == (xtail.TRAIN_PER_TASK, xtail.EVAL_PER_TASK)
     assert options.methods == list(xtail.XTAIL_FAMILIES)
     for name in options.methods:
         (method,) = build_methods([name], families.family_args(name, options))
