@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gc
 import json
 import math
@@ -73,6 +74,7 @@ from protocol import (
     verdict_table,
 )
 
+from hf_ccl.class_prompts import scope_class_names
 from hf_ccl.compute import RUN_COST_HEADER, RUN_COST_NOTE, mean_run_cost, run_cost, run_cost_cells
 from hf_ccl.continual import ContinualArguments, ContinualLearner
 from hf_ccl.data import build_stream, load_image_processor, load_tokenizer
@@ -110,10 +112,11 @@ NOT_COMPARED = {
                                  "the class-prompt cross-entropy)",
     "learner_heads": "CMCL's modality-pair family on frozen features; see benchmarks/cmcl_pairs.py",
     "lada": "its own loss replaces the class-prompt cross-entropy every method here trains with, and it is a "
-            "task-agnostic method (class_scope seen/all); to be compared on the X-TAIL protocol (xtail-bundled), not run "
-            "yet",
+            "task-agnostic method (class_scope seen/all): compared on the X-TAIL protocol (xtail-bundled) in "
+            "benchmarks/xtail.py",
     "rail": "trains nothing (a closed-form regression on the frozen model's features, no optimizer step, so no step "
-            "time or budget to compare); not run in this table yet",
+            "time or budget to compare), and it is a task-agnostic method: compared on the X-TAIL protocol in "
+            "benchmarks/xtail.py",
 }
 #: Why each method is configured as it is (the options themselves are printed from `family_args`).
 WHY = {
@@ -196,6 +199,8 @@ def family_args(name: str, options) -> dict:
         "lora": {"r": 8, "alpha": 8.0},
         "prompt": {"ctx_init": "a photo of a", "schedule": "shared"},
         "weight_ensemble": {"every": options.ensemble_every},
+        "rail": {"hidden_dim": options.rail_hidden_dim},
+        "lada": {"text_tuning": "adaptformer"},
     }
     if name in own:
         return {name: own[name]}
@@ -204,7 +209,7 @@ def family_args(name: str, options) -> dict:
 
 def learning_rate(name: str, options) -> float:
     return {"moe_adapters": options.moe_lr, "lora": options.lora_lr, "prompt": options.prompt_lr,
-            "diki": options.diki_lr, "c_clip": options.c_clip_lr}.get(name, options.lr)
+            "diki": options.diki_lr, "c_clip": options.c_clip_lr, "lada": options.lada_lr}.get(name, options.lr)
 
 
 def budget(stream, options) -> int:
@@ -214,14 +219,22 @@ def budget(stream, options) -> int:
     return max(1, round(size / options.batch_size)) * options.batch_size
 
 
+def classification_loss(name: str) -> str:
+    """The image-to-class-prompt cross-entropy every method trains with, but a method whose own terms are the whole
+    loss (lada), which the library refuses beside it."""
+    return "contrastive" if get_method_class(name).replaces_contrastive_loss else "cross_entropy"
+
+
 def learner(name: str, start, stream, image_size: int, options, seed: int, output_dir: Path,
-            callbacks: list, task_callbacks: list) -> ContinualLearner:
-    """The run of `name` on `stream` (refused with a ValueError when the library cannot run it there)."""
+            callbacks: list, task_callbacks: list, class_scope: str = "task") -> ContinualLearner:
+    """The run of `name` on `stream` (refused with a ValueError when the library cannot run it there), each
+    classification task scored among the classes of `class_scope` (`ContinualArguments.class_scope`)."""
     return ContinualLearner(
         copy.deepcopy(start), stream, build_methods([name], family_args(name, options)),
         load_image_processor(image_size), load_tokenizer(),
         ContinualArguments(output_dir=str(output_dir), save_checkpoints=False, progress=False, seed=seed,
-                           overwrite_output_dir=True, classification_loss="cross_entropy",
+                           overwrite_output_dir=True, classification_loss=classification_loss(name),
+                           class_scope=class_scope,
                            samples_per_task=None if name == "joint" else budget(stream, options),
                            training={"num_train_epochs": options.epochs,
                                      "per_device_train_batch_size": options.batch_size,
@@ -232,10 +245,10 @@ def learner(name: str, start, stream, image_size: int, options, seed: int, outpu
 
 
 def run(name: str, start, stream, image_size: int, order: str, options, seed: int, control: Any,
-        above: list[bool]) -> dict:
+        above: list[bool], class_scope: str = "task") -> dict:
     times, kept = StepTimes(), ControlRetrieval(control)
     folder = Path(options.runs_dir) / f"{stream.name}-{name}-{order}-{seed}"
-    run_learner = learner(name, start, stream, image_size, options, seed, folder, [times], [kept])
+    run_learner = learner(name, start, stream, image_size, options, seed, folder, [times], [kept], class_scope)
     results = run_learner.fit()
     R, b = results.headline(), results.initial_headline()
     columns = [j for j, a in enumerate(above) if a]
@@ -252,7 +265,8 @@ def run(name: str, start, stream, image_size: int, order: str, options, seed: in
     }
 
 
-def refusals(names: list[str], start, streams: dict[str, Any], image_size: int, options) -> dict[tuple, str]:
+def refusals(names: list[str], start, streams: dict[str, Any], image_size: int, options,
+             class_scope: str = "task") -> dict[tuple, str]:
     """(stream, method) -> the library's reason, for every method it refuses on a stream, found by building each
     run once (nothing trains) before any run starts."""
     refused = {}
@@ -260,7 +274,7 @@ def refusals(names: list[str], start, streams: dict[str, Any], image_size: int, 
         for stream_name, stream in streams.items():
             for name in names:
                 try:
-                    learner(name, start, stream, image_size, options, 0, Path(folder) / name, [], [])
+                    learner(name, start, stream, image_size, options, 0, Path(folder) / name, [], [], class_scope)
                 except ValueError as error:  # ConfigError and the methods' check_stream refusals
                     refused[(stream_name, name)] = str(error)
     return refused
@@ -304,7 +318,7 @@ def stream_verdicts(runs: list[dict]) -> list:
 
 
 def stream_table(stream_name: str, runs: list[dict], refused: dict[tuple, str], failed: dict[tuple, list[str]],
-                 methods: list[str], start: dict) -> list[str]:
+                 methods: list[str], start: dict, families: dict[str, str] = FAMILIES) -> list[str]:
     info = start["streams"][stream_name]
     above = [task for task, a in zip(info["tasks"], info["above"], strict=True) if a]
     orders = {(r["order"], " -> ".join(r["tasks"])) for r in runs}
@@ -329,7 +343,7 @@ def stream_table(stream_name: str, runs: list[dict], refused: dict[tuple, str], 
                  + " |" * (1 + len(RUN_COST_HEADER)))
     base = {(r["order"], r["seed"]): r["median_step_s"] for r in runs if r["method"] == "finetune"}
     for method in methods:
-        family = FAMILIES.get(method, "")
+        family = families.get(method, "")
         if (stream_name, method) in refused:
             lines.append(f"| {method} | {family} | cannot run here: {_cell(refused[(stream_name, method)])} |"
                          + " |" * (width - 3))
@@ -341,7 +355,8 @@ def stream_table(stream_name: str, runs: list[dict], refused: dict[tuple, str], 
                          f"{_cell(errors[0])} |" + " |" * (width - 3))
         if not mine:
             continue
-        ratios = [r["median_step_s"] / base[(r["order"], r["seed"])] for r in mine if (r["order"], r["seed"]) in base]
+        ratios = [r["median_step_s"] / base[(r["order"], r["seed"])] for r in mine if (r["order"], r["seed"]) in base
+                  and not math.isnan(r["median_step_s"])]  # a method that takes no step (rail) has no step time
         ratio = f"{np.mean(ratios):.2f}" if ratios else "-"
         lines.append(f"| {method} | {family} | " + " | ".join(_mean_std([r[k] for r in mine]) for k in KEYS)
                      + f" | {ratio} | {run_cost_cells(mean_run_cost([r['cost'] for r in mine]))} |")
@@ -367,13 +382,14 @@ def eval_baseline_from(record: dict) -> TaskBaseline:
     return TaskBaseline(record["task"], record["n"], record["n_classes"], record["chance"], record["majority"])
 
 
-def config_lines(methods: list[str], options) -> list[str]:
+def config_lines(methods: list[str], options, families: dict[str, str] = FAMILIES,
+                 why: dict[str, str] = WHY) -> list[str]:
     lines = ["| method | family | options | lr | why |", "|---|---|---|---|---|"]
     for method in methods:
         args = family_args(method, options).get(method, {})
         options_text = ", ".join(f"{k}: {v}" for k, v in args.items()) or "defaults"
-        lines.append(f"| {method} | {FAMILIES.get(method, '')} | {options_text} | {learning_rate(method, options):g} "
-                     f"| {WHY.get(method, '')} |")
+        lines.append(f"| {method} | {families.get(method, '')} | {options_text} | {learning_rate(method, options):g} "
+                     f"| {why.get(method, '')} |")
     return lines
 
 
@@ -473,14 +489,16 @@ def _positive(kind: type) -> Callable[[str], Any]:
     return parse
 
 
-def parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser(description: str | None = __doc__, streams: dict[str, StreamSpec] = STREAMS,
+           tasks_help: str | None = None) -> argparse.ArgumentParser:
+    """The options; `description`, `streams` and `tasks_help` (what `--tasks` takes) let another benchmark reuse it."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true",
                         help="tiny sizes (a tiny starting model pretrained for a few steps, cached beside the real "
                              f"one under its own hash; {SMOKE['train_per_task']} train / {SMOKE['eval_per_task']} eval images per "
                              "task, one seed, order I): checks that every method runs; options given still win")
     parser.add_argument("--methods", default=METHODS, help="comma-separated methods; default every family's")
-    parser.add_argument("--streams", default=",".join(STREAMS), help=f"comma-separated, of {', '.join(STREAMS)}")
+    parser.add_argument("--streams", default=",".join(streams), help=f"comma-separated, of {', '.join(streams)}")
     parser.add_argument("--train-per-task", type=_positive(int), default=300)
     parser.add_argument("--eval-per-task", type=_positive(int), default=300)
     parser.add_argument("--control-examples", type=_positive(int), default=300)
@@ -496,6 +514,11 @@ def parser() -> argparse.ArgumentParser:
                              "18.6 = the zero-shot 18.4; 1e-2: 29.7; 5e-2: 14.9, diverged)")
     parser.add_argument("--diki-lr", type=_positive(float), default=2e-3,
                         help="diki's prompts (the official code: SGD at 5.0; this table trains with AdamW, as prompt)")
+    parser.add_argument("--lada-lr", type=_positive(float), default=1e-3,
+                        help="lada's text features and memory units (benchmarks/xtail.py; not tuned)")
+    parser.add_argument("--rail-hidden-dim", type=_positive(int), default=2048,
+                        help="rail's random hidden layer (benchmarks/xtail.py; the official 15000 inverts a "
+                             "15000 x 15000 memory, minutes on 2 cores)")
     parser.add_argument("--buffer-size", type=_positive(int), default=200, help="er and derpp buffers")
     parser.add_argument("--memory-per-task", type=_positive(int), default=50, help="gem and agem memories")
     parser.add_argument("--wise-alpha", type=float, default=0.8)
@@ -513,7 +536,7 @@ def parser() -> argparse.ArgumentParser:
                              "(default %(default)s, pretrain_start's)")
     add_stream_arguments(parser, default_output=str(Path(__file__).parent / "results" / "families"),
                          default_seeds="0,1",
-                         tasks_help="comma-separated task keys in the order given: PACS domains "
+                         tasks_help=tasks_help or "comma-separated task keys in the order given: PACS domains "
                                     f"({', '.join(PACS_DOMAINS)}) for pacs-domains, mtil-heldout keys "
                                     f"({', '.join(MTIL_HELDOUT_TASKS)}) for mtil-heldout; a stream none are named "
                                     "for keeps its orders")
@@ -521,12 +544,14 @@ def parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parsed options, every value checked (`--smoke` changes the defaults only)."""
-    parse_parser = parser()
+def parse(argv: list[str] | None = None, parse_parser: argparse.ArgumentParser | None = None,
+          streams: dict[str, StreamSpec] = STREAMS, smoke_defaults: dict | None = None) -> argparse.Namespace:
+    """Parsed options, every value checked (`--smoke` changes the defaults only: `smoke_defaults`, default
+    `SMOKE`); `parse_parser` (default `parser()`) and `streams` let another benchmark reuse it."""
+    parse_parser = parse_parser or parser()
     smoke, _ = parse_parser.parse_known_args(argv)
     if smoke.smoke:
-        parse_parser.set_defaults(**SMOKE)
+        parse_parser.set_defaults(**(SMOKE if smoke_defaults is None else smoke_defaults))
     options = parse_parser.parse_args(argv)
     options.methods = [m.strip() for m in options.methods.split(",") if m.strip()]
     options.streams = [s.strip() for s in options.streams.split(",") if s.strip()]
@@ -537,11 +562,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             get_method_class(name)
         except ConfigError as error:
             parse_parser.error(f"--methods: {error}")
-    unknown = [s for s in options.streams if s not in STREAMS]
+    unknown = [s for s in options.streams if s not in streams]
     if unknown or not options.streams:
-        parse_parser.error(f"--streams: unknown {unknown}; valid: {', '.join(STREAMS)}")
+        parse_parser.error(f"--streams: unknown {unknown}; valid: {', '.join(streams)}")
     if options.tasks:
-        known = {key for name in options.streams for key in STREAMS[name].keys}
+        known = {key for name in options.streams for key in streams[name].keys}
         stray = [t for t in options.tasks if t not in known]
         if stray:
             parse_parser.error(f"--tasks: {stray} belong to none of the streams {', '.join(options.streams)}")
@@ -549,9 +574,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return options
 
 
-def stream_tasks(name: str, options) -> list[str] | None:
-    """The `--tasks` keys that belong to stream `name`, or None."""
-    mine = [t for t in options.tasks or [] if t in STREAMS[name].keys]
+def stream_tasks(name: str, options, streams: dict[str, StreamSpec] = STREAMS) -> list[str] | None:
+    """The `--tasks` keys that belong to stream `name` (of `streams`), or None."""
+    mine = [t for t in options.tasks or [] if t in streams[name].keys]
     return mine or None
 
 
@@ -563,36 +588,64 @@ def starting_point(options) -> tuple[Any, dict, int]:
         options.start_model.get("image_size", TINY_CLIP["image_size"])
 
 
-def main(argv: list[str] | None = None) -> None:
-    options = parse(argv)
-    command = "python benchmarks/families.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    start_model, start, image_size = starting_point(options)
+def scope_baseline(task: Any, stream: Any, class_scope: str = "task") -> TaskBaseline:
+    """`eval_baseline` of `task` scored among the classes of `class_scope` (before any task is trained): under
+    `all`, chance is 100 / the stream's candidate classes (each name once) and majority the largest class's share
+    of the task's eval rows (a constant guess among the candidates can do no better)."""
+    b = eval_baseline(task)
+    names = scope_class_names(list(stream), 0, task, class_scope)
+    return b if not names else dataclasses.replace(b, n_classes=len(names), chance=100.0 / len(names))
+
+
+def start_score(model, task: Any, stream: Any, processor, tokenizer, class_scope: str = "task") -> float:
+    """The headline of `model` on `task` under `class_scope` before any task is trained (as the learner scores it)."""
+    names = scope_class_names(list(stream), 0, task, class_scope)
+    scope = {"seen_class_names": names, "class_scope": class_scope} if names else {}
+    return evaluate_task(model, task, processor, tokenizer, **scope)[task.kind_spec.headline(class_scope)]
+
+
+def stream_start(name: str, spec: StreamSpec, start_model, processor, tokenizer, options,
+                 class_scope: str = "task") -> tuple[dict, dict, Any]:
+    """The starting model's record on stream `name` (its tasks, their chance and majority rates (`scope_baseline`)
+    with its score, above the majority or not), the above-majority flag per (stream, task), and the stream in its
+    first order at the run sizes (for `refusals`)."""
+    keys = stream_tasks(name, options, {name: spec}) or list(spec.orders["I"])
+    reference = spec.build(keys, 1, options.eval_per_task)
+    baselines, above = [], {}
+    for task in reference:
+        b = scope_baseline(task, reference, class_scope)
+        score = start_score(start_model, task, reference, processor, tokenizer, class_scope)
+        above[(name, task.name)] = above_majority(score, b)
+        baselines.append({**vars(b), "score": score})
+    record = {"tasks": [t.name for t in reference], "baselines": baselines,
+              "above": [above[(name, t.name)] for t in reference]}
+    return record, above, spec.build(keys, options.train_per_task, options.eval_per_task)
+
+
+def compare(options, specs: dict[str, StreamSpec], start_model, start: dict, image_size: int,
+            write_results: Callable[[list[dict], dict, dict], None], class_scope: str = "task",
+            ) -> tuple[list[dict], dict[tuple, list[str]]]:
+    """Every (seed, stream, order, method) run of `options`, each classification task scored among `class_scope`'s
+    classes; `start` gains the control score and each stream's record (`stream_start`), `write_results(runs,
+    refused, failed)` is called after every run. Returns the runs and the failures ((stream, method) -> errors)."""
     tokenizer, processor = load_tokenizer(), load_image_processor(image_size)
     control = control_task(options)
     start["control"] = evaluate_task(start_model, control, processor, tokenizer)["R_mean"]
     start["streams"], above_by_task, first_streams = {}, {}, {}
     for name in options.streams:
-        spec = STREAMS[name]
-        keys = stream_tasks(name, options) or list(spec.orders["I"])
-        reference = spec.build(keys, 1, options.eval_per_task)
-        baselines = []
-        for task in reference:
-            b = eval_baseline(task)
-            score = evaluate_task(start_model, task, processor, tokenizer)["accuracy"]
-            above_by_task[(name, task.name)] = above_majority(score, b)
-            baselines.append({**vars(b), "score": score})
-        start["streams"][name] = {"tasks": [t.name for t in reference], "baselines": baselines,
-                                  "above": [above_by_task[(name, t.name)] for t in reference]}
-        first_streams[name] = spec.build(keys, options.train_per_task, options.eval_per_task)
-    refused = refusals(options.methods, start_model, first_streams, image_size, options)
+        start["streams"][name], above, first_streams[name] = stream_start(
+            name, specs[name], start_model, processor, tokenizer, options, class_scope)
+        above_by_task.update(above)
+    refused = refusals(options.methods, start_model, first_streams, image_size, options, class_scope)
     for (stream_name, method), why in refused.items():
         print(f"{method} cannot run on {stream_name}: {why}", flush=True)
     runs: list[dict] = []
     failed: dict[tuple, list[str]] = {}
     for seed in options.seeds:
         for name in options.streams:
-            spec = STREAMS[name]
-            for order, keys in task_orders(options.order, spec.orders, stream_tasks(name, options), seed).items():
+            spec = specs[name]
+            tasks = stream_tasks(name, options, specs)
+            for order, keys in task_orders(options.order, spec.orders, tasks, seed).items():
                 stream = spec.build(keys, options.train_per_task, options.eval_per_task)
                 above = [above_by_task[(name, task)] for task in stream.task_names]
                 for method in options.methods:
@@ -602,7 +655,7 @@ def main(argv: list[str] | None = None) -> None:
                     torch.manual_seed(seed)
                     try:
                         runs.append(run(method, start_model, stream, image_size, order, options, seed, control,
-                                        above))
+                                        above, class_scope))
                     except Exception as error:  # noqa: BLE001 -- in the table, on stderr and in the exit status
                         traceback.print_exc()
                         failed.setdefault((name, method), []).append(f"{type(error).__name__}: {error}")
@@ -611,13 +664,27 @@ def main(argv: list[str] | None = None) -> None:
                         print(f"{name} {method} order {order} seed {seed}: {time.perf_counter() - started:.0f} s; "
                               f"Last {runs[-1]['last']:.1f}, Transfer {runs[-1]['transfer']:.1f}", flush=True)
                     gc.collect()  # the next run's peak memory should not include this one's learner
-                    write(runs, refused, failed, start, options, command)
-    write(runs, refused, failed, start, options, command)
-    plot(runs, start, options)
-    print(results_path(options.output, ".md").read_text(encoding="utf-8")[:8000], flush=True)
+                    write_results(runs, refused, failed)
+    write_results(runs, refused, failed)
+    return runs, failed
+
+
+def exit_on_failures(failed: dict[tuple, list[str]]) -> None:
+    """Exit non-zero with one line naming each method that failed, if any did."""
     if failed:
         sys.exit("hf-ccl: error: runs failed (see the table and the tracebacks above): "
                  + "; ".join(f"{m} on {s} ({len(e)} run(s)): {e[0]}" for (s, m), e in failed.items()))
+
+
+def main(argv: list[str] | None = None) -> None:
+    options = parse(argv)
+    command = "python benchmarks/families.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    start_model, start, image_size = starting_point(options)
+    runs, failed = compare(options, STREAMS, start_model, start, image_size,
+                           lambda runs, refused, failed: write(runs, refused, failed, start, options, command))
+    plot(runs, start, options)
+    print(results_path(options.output, ".md").read_text(encoding="utf-8")[:8000], flush=True)
+    exit_on_failures(failed)
 
 
 if __name__ == "__main__":
