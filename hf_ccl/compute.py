@@ -190,11 +190,15 @@ def peak_memory() -> tuple[int | None, int | None]:
 
 
 def trainable_parameter_count(model: torch.nn.Module, methods: Any = ()) -> tuple[int, int]:
-    """(parameters the optimizer updates, all parameters): the model's and the methods' `optimizer_parameters`."""
+    """(parameters the optimizer updates, all parameters): the model's and the methods' `optimizer_parameters`; none
+    under a method that takes no optimizer step (`trains_model = False`: RAIL's closed-form fit)."""
     extra = [p for method in methods for p in method.optimizer_parameters()]
+    total = sum(p.numel() for p in model.parameters()) + sum(p.numel() for p in extra)
+    if any(not method.trains_model for method in methods):
+        return 0, total
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     trainable += sum(p.numel() for p in extra if p.requires_grad)
-    return trainable, sum(p.numel() for p in model.parameters()) + sum(p.numel() for p in extra)
+    return trainable, total
 
 
 def state_bytes(state: Any) -> int:

@@ -215,6 +215,8 @@ def test_the_model_never_trains_and_unseen_tasks_stay_exactly_zero_shot(cli_run)
     learned = [matrix[row][column] for row in range(5) for column in range(row + 1)]
     zero_shot = [initial[column] for row in range(5) for column in range(row + 1)]
     assert sum(learned) > sum(zero_shot) + 10 * len(learned), (matrix, initial)
+    tasks = json.loads((cli_run / "compute.json").read_text())["tasks"]
+    assert [task["trainable_parameters"] for task in tasks] == [0] * 5  # the cost column: no optimizer step
 
 
 def test_the_cards_loader_scores_exactly_as_the_run(cli_run):
