@@ -44,7 +44,7 @@ import numpy as np
 from datasets import DatasetDict
 
 from .builders import TaskSource, _stable_seed, check_builder_options, load_split, stream_from_datasets
-from .mtil import MTIL_ORDERS, mtil_dataset_name, mtil_task_sources
+from .mtil import MTIL_ORDERS, mtil_dataset_list, mtil_task_sources
 from .stream_registry import bundled, register
 from .task import TaskStream
 
@@ -106,15 +106,7 @@ def few_shot_task(entry: TaskSource, shots_per_class: int | None, seed: int, tem
 
 def xtail_dataset_list(datasets: Sequence[str] | None) -> list[str]:
     """The domains of an X-TAIL stream, checked: `datasets` (any MTIL datasets, in their own order) or the ten."""
-    if datasets is None:
-        return list(XTAIL_DATASETS)
-    if isinstance(datasets, str) or not isinstance(datasets, Sequence) or not datasets:
-        raise ValueError(f"datasets must be a non-empty list of dataset names, got {datasets!r}")
-    names = [mtil_dataset_name(name) for name in datasets]
-    repeated = sorted({name for name in names if names.count(name) > 1})
-    if repeated:
-        raise ValueError(f"datasets names a dataset twice: {', '.join(repeated)}")
-    return names
+    return list(XTAIL_DATASETS) if datasets is None else mtil_dataset_list(datasets=datasets)
 
 
 def xtail_stream(
