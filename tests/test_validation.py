@@ -175,7 +175,7 @@ def test_config_file_errors_name_the_file(tmp_path, capsys):
     typo.write_text("stream: digits\ntraining:\n  learning_rate: fast\n")
     err = _refused(tmp_path, capsys, config=str(typo))
     assert f"training.learning_rate must be a number, got 'fast' (in {typo})" in err
-    assert "no such file, and no recipe of that name; recipes: cil-caltech101-bundled," in _refused(
+    assert "no such file, and no recipe of that name; recipes: c_clip-flickr8k-random5, cil-caltech101-bundled," in _refused(
         tmp_path, capsys, config="digitz")
 
 

@@ -302,7 +302,7 @@ class ConDU(ContinualMethod[ConDUConfig]):
     def check_stream(self, stream: TaskStream) -> None:
         """Every task must be a classification task: prototypes and scores are per class."""
         for task in stream.tasks:
-            if task.kind != "classification" or not task.class_names:
+            if not task.kind_spec.has_classes or not task.class_names:
                 raise ValueError(f"{NAME} scores tasks by their classes (its prototypes are class means): task "
                                  f"{task.name!r} is a {task.kind} task; use a stream of classification tasks")
 
