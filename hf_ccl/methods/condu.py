@@ -46,7 +46,6 @@ resume. `load_condu_model(task_folder)` returns the model with its experts attac
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -61,9 +60,9 @@ from ..evaluation.encode import encode_images, encode_texts, unwrap
 from ..evaluation.zeroshot import DEFAULT_TEMPLATES
 from ..validation import check_range
 from .base import ContinualMethod, MethodConfig, TaskContext
-from .loading import CheckpointLoader, checkpoint_folder
+from .loading import CheckpointLoader
 from .registry import register_method
-from .state import STATE_JSON, load_method_states
+from .state import load_checkpoint_method
 
 if TYPE_CHECKING:
     from ..data.task import TaskStream
@@ -385,14 +384,6 @@ def load_condu_model(name_or_path: str | Path, revision: str | None = None) -> C
     """A task checkpoint's model (θ0) with its ConDU experts attached (from the method state beside it), in eval mode:
     what the run evaluated. `name_or_path`: a task folder (`output_dir/task-<k>/`) or a Hub repository id with its
     `revision` (`task-<k>`)."""
-    from ..families import load_continual_model
-
-    folder = checkpoint_folder(name_or_path, revision)
-    states = json.loads((folder / STATE_JSON).read_text(encoding="utf-8"))
-    if NAME not in states:
-        raise ValueError(f"{folder / STATE_JSON} holds no '{NAME}' state (methods: {sorted(states)})")
-    method = ConDU(states[NAME]["config"])
-    load_method_states([method], folder)
-    model = load_continual_model(str(folder))
+    method, model = load_checkpoint_method(ConDU, name_or_path, revision)
     attach_experts(model, method.store, method.config)
     return model.eval()

@@ -67,7 +67,6 @@ cross-entropy over the task's class prompts; set them in the run's `training` (n
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 from collections.abc import Iterator, Mapping
@@ -81,9 +80,9 @@ from torch import nn
 from ..modeling import ContinualDualEncoder
 from ..validation import ConfigError, check_range
 from .base import ContinualMethod, MethodConfig, TaskContext
-from .loading import CheckpointLoader, checkpoint_folder
+from .loading import CheckpointLoader
 from .registry import register_method
-from .state import STATE_JSON, load_method_states
+from .state import load_checkpoint_method
 from .trainable import requires_grad_flags, restore_flags
 
 logger = logging.getLogger(__name__)
@@ -682,15 +681,7 @@ def load_diki_model(name_or_path: str | Path, revision: str | None = None) -> Co
     """A task checkpoint's model with its DIKI prompts and Gaussians attached (from the method state beside it), in
     eval mode: what the run evaluated. `name_or_path`: a task folder or a Hub repository id with its `revision`
     (`task-<k>`). The checkpoint's weights alone are the frozen base model."""
-    from ..families import load_continual_model
-
-    folder = checkpoint_folder(name_or_path, revision)
-    states = json.loads((folder / STATE_JSON).read_text(encoding="utf-8"))
-    if NAME not in states:
-        raise ValueError(f"{folder / STATE_JSON} holds no '{NAME}' state (methods: {sorted(states)})")
-    method = Diki(states[NAME]["config"])
-    load_method_states([method], folder)
-    model = load_continual_model(str(folder))
+    method, model = load_checkpoint_method(Diki, name_or_path, revision)
     bank = install_diki(model, method.config)
     method._load_into(bank, method._state or {})
     for param in bank.parameters():

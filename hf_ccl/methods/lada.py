@@ -50,7 +50,6 @@ without LADA). `load_lada_model(task_folder)` (or a Hub id and `revision`) retur
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass, field
@@ -65,9 +64,9 @@ from .base import ContinualMethod, MethodConfig, TaskContext
 from .lada_memory import ATTRIBUTE, LADAMemory, LADATask, gaussian_components, lada_memory
 from .lada_text import ATTRIBUTE as TEXT_ATTRIBUTE
 from .lada_text import TextAdaptFormer
-from .loading import CheckpointLoader, checkpoint_folder
+from .loading import CheckpointLoader
 from .registry import register_method
-from .state import STATE_JSON, load_method_states
+from .state import load_checkpoint_method
 from .trainable import requires_grad_flags, restore_flags
 
 if TYPE_CHECKING:
@@ -524,15 +523,7 @@ def load_lada_model(name_or_path: str | Path, revision: str | None = None) -> Co
     """A task checkpoint's model with its LADA memory attached (from the method state beside it), in eval mode: what
     the run evaluated. `name_or_path`: a task folder (`output_dir/task-<k>/`) or a Hub repository id with its
     `revision` (`task-<k>`). The checkpoint's weights alone are the frozen base model."""
-    from ..families import load_continual_model
-
-    folder = checkpoint_folder(name_or_path, revision)
-    states = json.loads((folder / STATE_JSON).read_text(encoding="utf-8"))
-    if NAME not in states:
-        raise ValueError(f"{folder / STATE_JSON} holds no '{NAME}' state (methods: {sorted(states)})")
-    method = LADA(states[NAME]["config"])
-    load_method_states([method], folder)
-    model = load_continual_model(str(folder))
+    method, model = load_checkpoint_method(LADA, name_or_path, revision)
     memory = LADAMemory(method.config.alpha, method.config.beta, 1.0).to(model.logit_scale.device)
     method._load_into(memory, method._state or {"class_names": [], "logit_scale": 1.0, "tasks": {}})
     memory.requires_grad_(False)

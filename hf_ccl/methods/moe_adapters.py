@@ -93,7 +93,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping
@@ -108,10 +107,10 @@ from ..distributed import all_reduce_sum_
 from ..modeling import ContinualDualEncoder
 from ..validation import ConfigError, check_range
 from .base import ContinualMethod, MethodConfig, TaskContext
-from .loading import CheckpointLoader, checkpoint_folder
+from .loading import CheckpointLoader
 from .registry import register_method
 from .sizes import parameter_count
-from .state import STATE_JSON, load_method_states
+from .state import load_checkpoint_method
 from .trainable import requires_grad_flags, restore_flags
 
 if TYPE_CHECKING:
@@ -1152,15 +1151,7 @@ def load_moe_model(name_or_path: str | Path, revision: str | None = None) -> Con
     """A task checkpoint's model with its MoE adapters, routers and DDAS attached (from the method state beside
     it), in eval mode: what the run evaluated. `name_or_path`: a task folder (`output_dir/task-<k>/`) or a Hub
     repository id with its `revision` (`task-<k>`). The checkpoint's weights alone are the frozen base model."""
-    from ..families import load_continual_model
-
-    folder = checkpoint_folder(name_or_path, revision)
-    states = json.loads((folder / STATE_JSON).read_text(encoding="utf-8"))
-    if NAME not in states:
-        raise ValueError(f"{folder / STATE_JSON} holds no '{NAME}' state (methods: {sorted(states)})")
-    method = MoEAdapters(states[NAME]["config"])
-    load_method_states([method], folder)
-    model = load_continual_model(str(folder))
+    method, model = load_checkpoint_method(MoEAdapters, name_or_path, revision)
     state = method._state or {}
     bank = install_moe_adapters(model, method.config)
     method._load_into(bank, state)

@@ -31,7 +31,6 @@ features the unit-norm output of `encode_image` (hf_ccl's projected image embedd
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -45,9 +44,9 @@ from ..modeling import ContinualDualEncoder
 from ..validation import ConfigError, check_range
 from . import rail_math
 from .base import ContinualMethod, MethodConfig, TaskContext
-from .loading import CheckpointLoader, checkpoint_folder
+from .loading import CheckpointLoader
 from .registry import register_method
-from .state import STATE_JSON, load_method_states
+from .state import load_checkpoint_method
 
 logger = logging.getLogger(__name__)
 
@@ -334,14 +333,6 @@ def load_rail_model(name_or_path: str | Path, revision: str | None = None) -> Co
     """A task checkpoint's model with its RAIL scorer attached (from the method state beside it), in eval mode: what
     the run evaluated. `name_or_path`: a task folder (`output_dir/task-<k>/`) or a Hub repository id with its
     `revision` (`task-<k>`). The checkpoint's weights alone are the frozen zero-shot model."""
-    from ..families import load_continual_model
-
-    folder = checkpoint_folder(name_or_path, revision)
-    states = json.loads((folder / STATE_JSON).read_text(encoding="utf-8"))
-    if NAME not in states:
-        raise ValueError(f"{folder / STATE_JSON} holds no '{NAME}' state (methods: {sorted(states)})")
-    method = RAIL(states[NAME]["config"])
-    load_method_states([method], folder)
-    model = load_continual_model(str(folder))
+    method, model = load_checkpoint_method(RAIL, name_or_path, revision)
     attach_scorer(model, method.state)
     return model.eval()
