@@ -171,7 +171,25 @@ def train_main(config_path: str | None, overrides: list[str]) -> int:
     return execute(prepare(config_path, overrides))
 
 
+def _process_group_initialised() -> bool:
+    """Whether a torch process group exists (without importing torch when nothing has)."""
+    distributed = sys.modules.get("torch.distributed")
+    return bool(distributed is not None and distributed.is_available() and distributed.is_initialized())
+
+
 def _train_command(config_path: str | None, overrides: list[str], debug: bool, started_at: float) -> int:
+    """`hf-ccl train`; a process group the run created (`accelerate launch`) is ended before returning."""
+    created_here = not _process_group_initialised()
+    try:
+        return _run_train_command(config_path, overrides, debug, started_at)
+    finally:
+        if created_here and _process_group_initialised():
+            from .distributed import end_process_group
+
+            end_process_group()
+
+
+def _run_train_command(config_path: str | None, overrides: list[str], debug: bool, started_at: float) -> int:
     checked = None
     with stop_signals_interrupt():
         try:

@@ -33,6 +33,14 @@ def is_main_process() -> bool:
     return rank() == 0
 
 
+def end_process_group() -> None:
+    """Destroy the process group (when one is initialised) while the interpreter is fully alive: left to interpreter
+    exit, gloo's worker threads can abort the process (SIGABRT, "terminate called without an active exception")
+    after a run that succeeded (pytorch/pytorch#179291)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def barrier() -> None:
     if is_distributed():
         dist.barrier()

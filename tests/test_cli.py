@@ -79,3 +79,26 @@ def test_another_failure_is_not_called_a_full_disk(tmp_path, capsys, monkeypatch
     monkeypatch.setattr(hf_ccl.run, "run", fail)
     assert main(["train", "--config", "digits", f"output_dir={tmp_path / 'run'}"]) == 1
     assert "no space" not in capsys.readouterr().err
+
+
+def test_train_ends_the_process_group_it_created_and_keeps_one_it_was_given(monkeypatch, tmp_path):
+    """Left to interpreter exit, gloo's threads can abort a process whose run succeeded (exit -6): `hf-ccl train`
+    ends the process group its run created (accelerate's), and leaves alone one that existed before."""
+    import torch.distributed as dist
+
+    from hf_ccl import cli
+
+    def run_that_starts_a_group(*_args):
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
+        return 0
+
+    monkeypatch.setattr(cli, "_run_train_command", run_that_starts_a_group)
+    assert cli._train_command(None, [], False, 0.0) == 0
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'given'}", rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(cli, "_run_train_command", lambda *_args: 0)
+        assert cli._train_command(None, [], False, 0.0) == 0
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
